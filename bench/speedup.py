@@ -1,0 +1,126 @@
+"""Pipelined vs one device, and mpedu's one device vs the same network as a plain PyTorch module.
+
+    python bench/speedup.py [--repeats 5]
+
+One virtual device is one CPU core (its worker runs torch single-threaded), so
+"1 vs 2 devices" is one core vs two. Both runs use the same micro-batches (GPipe,
+m = 8): the only difference is how many devices share the work.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import finish, machine, median_time, random_batch  # noqa: E402
+
+from mpedu.model import LSTMLM, LMConfig, nll_sum  # noqa: E402
+from mpedu.pipeline import Pipeline  # noqa: E402
+from mpedu.placement import Placement  # noqa: E402
+
+VOCAB, T, B, M = 2000, 35, 64, 8
+CONFIG = LMConfig(embed_size=256, hidden_size=256, num_layers=4)
+
+
+class PlainLM(nn.Module):
+    """The same network as one PyTorch module: embedding, one 4-layer LSTM, linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, CONFIG.embed_size)
+        self.lstm = nn.LSTM(CONFIG.embed_size, CONFIG.hidden_size, CONFIG.num_layers)
+        self.decode = nn.Linear(CONFIG.hidden_size, VOCAB)
+
+    def forward(self, tokens):
+        return self.decode(self.lstm(self.embed(tokens))[0])
+
+
+def balanced_split(model, batch) -> Placement:
+    """Profile each layer's forward+backward on one micro-batch and cut where the two halves
+    are closest (the planning issue's balance module generalises this)."""
+    names = model.layer_names
+    micro = batch.split(M)[0]
+    costs = []
+    with Pipeline(model, Placement.single(model), "naive", 1) as pipe:
+        def one():
+            model.zero_grad()
+            pipe.train_step(micro)
+        median_time(one, 1)   # warm up
+        for _ in range(3):
+            tl = pipe.train_step(micro).timeline
+    # per-layer cost: time each layer separately in a single-layer-stage pipeline
+    stages = " | ".join(f"{n}:vgpu0" if k % 2 == 0 else f"{n}:vgpu1" for k, n in enumerate(names))
+    with Pipeline(model, stages, "naive", 1) as pipe:
+        for _ in range(3):
+            pipe.train_step(micro)
+        samples = [pipe.train_step(micro).timeline for _ in range(5)]
+    for s in range(len(names)):
+        per = sorted(sum(e.duration for e in tl.compute() if e.stage == s) for tl in samples)
+        costs.append(per[len(per) // 2])
+    total = sum(costs)
+    best = min(range(1, len(names)), key=lambda k: abs(sum(costs[:k]) - total / 2))
+    return Placement.parse(f"{','.join(names[:best])}:vgpu0 | {','.join(names[best:])}:vgpu1", model), costs
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)   # the plain module gets one core, like one virtual device
+    model = LSTMLM(VOCAB, CONFIG)
+    batch = random_batch(VOCAB, T, B)
+    placement, costs = balanced_split(model, batch)
+
+    def timed(pipe):
+        def step():
+            model.zero_grad()
+            pipe.train_step(batch)
+        return median_time(step, args.repeats)
+
+    with Pipeline(model, Placement.single(model), "gpipe", M) as one:
+        t1 = timed(one)
+    with Pipeline(model, placement, "gpipe", M) as two:
+        t2 = timed(two)
+        bubble = two.train_step(batch).timeline.bubble_fraction
+    with Pipeline(model, Placement.single(model), "naive", 1) as whole:
+        t_mpedu = timed(whole)
+
+    plain = PlainLM()
+
+    def plain_step():
+        plain.zero_grad()
+        loss = nll_sum(plain(batch.inputs), batch.targets) / batch.tokens
+        loss.backward()
+
+    t_plain = median_time(plain_step, args.repeats)
+
+    p = 2
+    ideal = M * p / (M + p - 1)
+    speedup = t1 / t2
+    tokens = batch.tokens
+    rows = [("1 virtual device, GPipe m=8", t1), ("2 virtual devices, GPipe m=8", t2),
+            ("mpedu, 1 device, whole batch", t_mpedu), ("plain PyTorch module, 1 thread", t_plain)]
+    print(f"model: embed {CONFIG.embed_size}, {CONFIG.num_layers} LSTM layers of {CONFIG.hidden_size}, "
+          f"vocab {VOCAB}; batch T={T} B={B}; one core per device")
+    print(f"per-layer forward+backward (ms): " + ", ".join(f"{n} {c * 1e3:.1f}" for n, c in
+                                                           zip(model.layer_names, costs)))
+    print(f"placement: {placement}")
+    print(f"{'run':<34}{'step (ms)':>12}{'tokens/s':>12}")
+    for name, t in rows:
+        print(f"{name:<34}{t * 1e3:>12.1f}{tokens / t:>12.0f}")
+    print(f"speedup {speedup:.2f}x, ideal {ideal:.2f}x, efficiency {speedup / ideal:.2f}, "
+          f"measured bubble {bubble:.1%}; mpedu vs plain torch {t_plain / t_mpedu:.2f}")
+    finish("speedup", {"benchmark": "speedup", "placement": str(placement), "micro_batches": M,
+                       "step_s_1_device": t1, "step_s_2_devices": t2, "speedup": speedup, "ideal": ideal,
+                       "efficiency": speedup / ideal, "bubble_fraction": bubble,
+                       "tokens_per_s_mpedu": tokens / t_mpedu, "tokens_per_s_plain": tokens / t_plain,
+                       "vs_plain_torch": t_plain / t_mpedu, "machine": machine()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Devices: a real `cuda:N`, or a virtual `vgpu:N` that is one CPU worker thread."""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Device:
+    """A place where a stage runs.
+
+    `vgpu:N` devices share the CPU's memory; each runs its ops single-threaded on
+    its own worker thread, so k virtual devices on k cores really run at once.
+    """
+
+    name: str            # "vgpu:0", "cuda:1", "cpu"
+    virtual: bool
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.virtual or self.name == "cpu" else torch.device(self.name)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.torch_device.type == "cuda"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def virtual_count() -> int:
+    """Virtual devices on offer: one per CPU core, and at least 8 so a learner can try deeper
+    pipelines anywhere (beyond the core count they take turns on the cores)."""
+    return max(8, os.cpu_count() or 1)
+
+
+def list_devices() -> list[Device]:
+    """Every device this machine offers: real CUDA GPUs first, then virtual ones."""
+    real = [Device(f"cuda:{i}", False) for i in range(torch.cuda.device_count())]
+    return real + [Device(f"vgpu:{i}", True) for i in range(virtual_count())]
+
+
+def describe_devices() -> str:
+    """A few lines a learner can read: which devices are real and which are virtual."""
+    lines = []
+    for d in list_devices():
+        if d.virtual:
+            index = int(d.name.split(":")[1])
+            share = "its own core" if index < (os.cpu_count() or 1) else "shares a core with another"
+            lines.append(f"{d.name:>8}  virtual: one worker thread on the CPU ({share}; {os.cpu_count()} cores)")
+        else:
+            lines.append(f"{d.name:>8}  real: {torch.cuda.get_device_name(d.torch_device)}")
+    return "\n".join(lines)
+
+
+def get_device(name: str | Device) -> Device:
+    """Look a device up by name (`vgpu0` is accepted for `vgpu:0`)."""
+    if isinstance(name, Device):
+        return name
+    text = str(name).strip().lower()
+    if text == "cpu":
+        return Device("cpu", False)
+    if text[:4] in ("vgpu", "cuda") and text[4:5] != ":":
+        text = f"{text[:4]}:{text[4:]}"
+    for d in list_devices():
+        if d.name == text:
+            return d
+    offered = ", ".join(d.name for d in list_devices())
+    hint = "" if torch.cuda.is_available() else " (no CUDA GPU here: use virtual devices vgpu:N)"
+    raise ValueError(f"device {name!r} does not exist; this machine offers {offered}{hint}")
+
+
+def get_devices(n: int, kind: str = "auto") -> list[Device]:
+    """The first n devices of a kind: "cuda", "virtual", or "auto" (CUDA when it has n GPUs)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"need at least one device, got {n!r}")
+    cuda = [d for d in list_devices() if not d.virtual]
+    virtual = [d for d in list_devices() if d.virtual]
+    if kind == "auto":
+        kind = "cuda" if len(cuda) >= n else "virtual"
+    pool = {"cuda": cuda, "virtual": virtual}.get(kind)
+    if pool is None:
+        raise ValueError(f"unknown device kind {kind!r}; use 'auto', 'cuda' or 'virtual'")
+    if len(pool) < n:
+        raise ValueError(f"asked for {n} {kind} devices but this machine has {len(pool)}: "
+                         f"{', '.join(d.name for d in pool) or 'none'}")
+    return pool[:n]
+
+
+class Worker:
+    """A persistent thread that runs one device's jobs in order.
+
+    Jobs are plain callables; `submit` returns a Future. A virtual device's thread
+    runs torch single-threaded; a CUDA device's thread issues work on its own stream.
+    """
+
+    def __init__(self, device: Device):
+        self.device = device
+        self.stream = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"mpedu-{device.name}", daemon=True)
+        self._ready = threading.Event()
+        self._thread.start()
+        self._ready.wait()
+
+    def _loop(self) -> None:
+        if self.device.virtual:
+            torch.set_num_threads(1)
+        if self.device.is_cuda:
+            torch.cuda.set_device(self.device.torch_device)
+            self.stream = torch.cuda.Stream(self.device.torch_device)
+        self._ready.set()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        result = fn()
+                else:
+                    result = fn()
+            except BaseException as exc:  # handed to the caller, who re-raises it
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            # drop references now: an idle worker must not keep a Pipeline alive
+            job = fn = future = result = None
+
+    def submit(self, fn) -> Future:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"the worker of {self.device} has stopped; build a new Pipeline")
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def stop(self, wait: bool = True) -> None:
+        """Ask the thread to end after the jobs already queued; optionally wait for it."""
+        self._jobs.put(None)
+        if wait:
+            self.join()
+
+    def join(self) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

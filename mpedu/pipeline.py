@@ -1,0 +1,298 @@
+"""Pipeline: runs a schedule's action lists on the devices' workers and records a Timeline."""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from concurrent.futures import FIRST_EXCEPTION, wait
+
+import torch
+
+from . import schedules
+from .devices import Device, Worker, get_devices
+from .placement import Placement
+from .schedules import Action, Schedule
+from .stage import Stage
+from .timeline import Event, Timeline
+from .train import StepResult
+
+
+class _Aborted(Exception):
+    """Raised inside a worker when another worker failed: stop, nothing to report."""
+
+
+class _Mailbox:
+    """Tensors in flight between stages, keyed by (what, stage, micro-batch, chunk).
+
+    A receive waits until the tensor arrives or the step is aborted, so a failure
+    anywhere wakes everyone up and no worker stays blocked.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._items: dict = {}
+        self.aborted = False
+
+    def put(self, key, value) -> None:
+        with self._cv:
+            self._items[key] = value
+            self._cv.notify_all()
+
+    def get(self, key):
+        with self._cv:
+            while key not in self._items:
+                if self.aborted:
+                    raise _Aborted
+                self._cv.wait()
+            return self._items.pop(key)
+
+    def abort(self) -> None:
+        with self._cv:
+            self.aborted = True
+            self._cv.notify_all()
+
+
+class _Clock:
+    """Timestamps for one device during one step: perf_counter on CPU, CUDA events on a GPU
+    (read after the step, so timing never blocks the stream)."""
+
+    def __init__(self, device: Device, t0: float):
+        self.cuda = device.is_cuda
+        self.t0 = t0
+        if self.cuda:
+            self.ref_cpu = time.perf_counter()
+            self.ref = torch.cuda.Event(enable_timing=True)
+            self.ref.record()
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, mark) -> float:
+        if self.cuda:
+            return self.ref_cpu - self.t0 + self.ref.elapsed_time(mark) / 1e3
+        return mark - self.t0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Pipeline:
+    """A model split into stages over devices, trained one schedule step at a time.
+
+        pipe = Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "gpipe", micro_batches=4)
+        result = pipe.train_step(batch)     # gradients accumulate in model's .grad
+        print(result.loss, result.timeline.summary())
+
+    `placement` is a Placement, a placement string, a dict layer -> device, or a
+    device count (an even split). Workers persist across steps; `close()` (or
+    garbage collection, or a `with` block) ends them.
+    """
+
+    def __init__(self, model, placement: Placement | str | dict | int = 2, schedule: str | Schedule = "gpipe",
+                 micro_batches: int = 4):
+        self.model = model
+        self.placement = _as_placement(placement, model)
+        if model.config.tie_weights:
+            embed_dev, decode_dev = self.placement.assignment["embed"], self.placement.assignment["decode"]
+            if embed_dev != decode_dev:
+                raise ValueError(f"tied weights: embed ({embed_dev}) and decode ({decode_dev}) share one weight "
+                                 "matrix, so they must sit on the same device; place them together or build "
+                                 "the model with tie_weights=False")
+        stage_devices = self.placement.stage_devices
+        if isinstance(schedule, Schedule):
+            if list(schedule.stage_devices) != stage_devices:
+                raise ValueError(f"schedule {schedule.name!r} was built for stage devices "
+                                 f"{list(schedule.stage_devices)}, but this placement gives {stage_devices}")
+            self.schedule = schedule.validate()
+        else:
+            self.schedule = schedules.make(schedule, stage_devices, micro_batches)
+        self.micro_batches = self.schedule.micro_batches
+        self.devices: list[Device] = self.placement.devices
+        runs = self.placement.stages
+        self.stages = []
+        for s, (dev, names) in enumerate(runs):
+            layers = [model.layers[name].to(dev.torch_device) for name in names]
+            self.stages.append(Stage(s, names, layers, dev, is_last=s == len(runs) - 1))
+        # Forward-only order for eval_step: GPipe's fill order, without backwards.
+        fill = schedules.gpipe(stage_devices, self.micro_batches)
+        self._eval_actions = [[a for a in row if a.kind == "F"] for row in fill.actions]
+        self._workers = [Worker(dev) for dev in self.devices]
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._carry_shape = None
+
+    def __repr__(self) -> str:
+        return (f"Pipeline({self.placement}, schedule={self.schedule.name}, "
+                f"micro_batches={self.micro_batches})")
+
+    # -- public ---------------------------------------------------------------------
+    def train_step(self, batch) -> StepResult:
+        """Forward and backward one batch along the schedule; gradients accumulate in the model.
+
+        The loss is the mean NLL per real token of the whole batch: each micro-batch
+        adds nll_sum / batch.tokens, so the micro-batch losses add up exactly.
+        """
+        self.model.train()
+        return self._step(batch, self.schedule.actions, train=True)
+
+    def eval_step(self, batch) -> StepResult:
+        """Forward only (no gradients), in GPipe's fill order."""
+        self.model.eval()
+        return self._step(batch, self._eval_actions, train=False)
+
+    def reset_state(self) -> None:
+        """Forget carried recurrent state (stream mode)."""
+        self._carry_shape = None
+        for stage in self.stages:
+            stage.reset()
+
+    def close(self) -> None:
+        """End the workers and wait for them. The pipeline cannot run afterwards."""
+        self._finalizer()
+        for worker in self._workers:
+            worker.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- one step -------------------------------------------------------------------
+    def _step(self, batch, actions: list[list[Action]], train: bool) -> StepResult:
+        if not self._finalizer.alive:
+            raise RuntimeError("this Pipeline is closed; build a new one")
+        micro = batch.split(self.micro_batches)
+        tokens = int(batch.tokens)
+        if tokens == 0:
+            raise ValueError("the batch has no real (non-padding) target tokens")
+        keep_state = bool(getattr(batch, "carry_state", False)) and self._carry_shape == tuple(batch.inputs.shape)
+        self._carry_shape = tuple(batch.inputs.shape) if getattr(batch, "carry_state", False) else None
+        for stage in self.stages:
+            stage.reset(keep_state=keep_state)
+        mailbox = _Mailbox()
+        timeline = Timeline([d.name for d in self.devices])
+        t0 = time.perf_counter()
+        futures = [worker.submit(self._device_job(d, row, micro, 1.0 / tokens, train, mailbox, timeline, t0))
+                   for d, (worker, row) in enumerate(zip(self._workers, actions))]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                mailbox.abort()
+                wait(futures)
+                errors = [f.exception() for f in futures if f.exception() is not None
+                          and not isinstance(f.exception(), _Aborted)]
+                raise errors[0] if errors else RuntimeError("pipeline step aborted")
+        except BaseException:
+            # Ctrl-C or a failure: wake every worker, let each finish its current action,
+            # then drop the step's tensors so the next step starts clean.
+            mailbox.abort()
+            _wait_uninterrupted(futures)
+            for stage in self.stages:
+                stage.reset()
+            self._carry_shape = None
+            raise
+        last = self.stages[-1]
+        nll = float(sum(v.double().item() for v in last.nll.values()))
+        if train:
+            for stage in self.stages:
+                stage.saved.clear()
+        return StepResult(loss=nll / tokens, nll_sum=nll, tokens=tokens, timeline=timeline)
+
+    def _device_job(self, d: int, row: list[Action], micro, scale: float, train: bool,
+                    mailbox: _Mailbox, timeline: Timeline, t0: float):
+        device = self.devices[d]
+        stages, last = self.stages, len(self.stages) - 1
+        split = self.schedule.split_backward
+
+        def send(tensor, kind, src: int, dst: int, a: Action, clock, marks):
+            """Hand `tensor` from stage src to stage dst (always another device)."""
+            start = clock.mark()
+            moved = tensor.detach().to(stages[dst].device.torch_device, non_blocking=True)
+            ready = None
+            if moved.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            end = clock.mark()
+            marks.append(("send", src, a, start, end, _nbytes(tensor), stages[dst].device.name))
+            mailbox.put((kind, dst, a.mb, a.chunk), (moved, ready))
+
+        def receive(kind, a: Action):
+            moved, ready = mailbox.get((kind, a.stage, a.mb, a.chunk))
+            if ready is not None:  # make this device's stream wait for the copy
+                stream = torch.cuda.current_stream()
+                stream.wait_event(ready)
+                moved.record_stream(stream)
+            return moved
+
+        def job():
+            clock = _Clock(device, t0)
+            marks = []
+            try:
+                for a in row:
+                    if mailbox.aborted:
+                        raise _Aborted
+                    stage = stages[a.stage]
+                    mb = micro[a.mb]
+                    if a.kind == "F":
+                        x = mb.inputs.to(device.torch_device) if a.stage == 0 else receive("act", a)
+                        targets = mb.targets.to(device.torch_device) if a.stage == last else None
+                        start = clock.mark()
+                        out = stage.forward(a.mb, a.chunk, x, targets, scale, train=train)
+                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, ""))
+                        if a.stage < last:
+                            send(out, "act", a.stage, a.stage + 1, a, clock, marks)
+                    elif a.kind == "B":
+                        grad = receive("grad", a) if a.stage < last else None
+                        start = clock.mark()
+                        grad_in = stage.backward(a.mb, a.chunk, grad, weights=a.stage not in split)
+                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, ""))
+                        if a.stage > 0:
+                            send(grad_in, "grad", a.stage, a.stage - 1, a, clock, marks)
+                    else:
+                        start = clock.mark()
+                        stage.backward_weight(a.mb, a.chunk)
+                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, ""))
+            finally:
+                if device.is_cuda:
+                    torch.cuda.current_stream().synchronize()
+                for kind, s, a, start, end, nbytes, peer in marks:
+                    timeline.add(Event(device.name, kind, s, a.mb, clock.seconds(start), clock.seconds(end),
+                                       a.chunk, nbytes, peer))
+        return job
+
+
+def _as_placement(placement, model) -> Placement:
+    if isinstance(placement, Placement):
+        if placement.layer_names != model.layer_names:
+            raise ValueError(f"the placement is for layers {placement.layer_names}, "
+                             f"but the model has {model.layer_names}")
+        return placement
+    if isinstance(placement, str):
+        return Placement.parse(placement, model)
+    if isinstance(placement, dict):
+        return Placement.from_dict(placement, model)
+    if isinstance(placement, int):
+        return Placement.even(model, get_devices(placement))
+    raise TypeError(f"placement must be a Placement, a string like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1', "
+                    f"a dict or a device count; got {type(placement).__name__}")
+
+
+def _wait_uninterrupted(futures) -> None:
+    """Wait for the workers to stop even if Ctrl-C is pressed again meanwhile."""
+    while True:
+        try:
+            wait(futures)
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+def _stop_workers(workers) -> None:
+    for worker in workers:
+        worker.stop(wait=False)

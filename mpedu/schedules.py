@@ -1,0 +1,347 @@
+"""Pipeline schedules as data: per device, an ordered list of actions such as `1F3`.
+
+Letters used throughout: p devices, n stages (n >= p when a device holds several),
+m micro-batches, s a stage, i a micro-batch, c a time chunk, k a clock tick.
+
+An action is (kind, stage, micro-batch[, chunk]) with kind
+    F  forward of one micro-batch through one stage
+    B  backward: the input gradient (and, when the schedule has no W for that
+       stage, the weight gradient too)
+    W  weight gradient only (zero-bubble schedules split the backward into B + W)
+Its string form is `<stage><kind><micro-batch>` (`1F3`), with `.c` for a time
+chunk other than 0 (`1F3.2`).
+
+One Schedule drives the executor (mpedu.pipeline), the simulator (mpedu.simulate)
+and the printers here. `Schedule.validate()` proves it can run before anything does.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
+
+KINDS = "FBW"
+_ACTION_RE = re.compile(r"^(\d+)([FBW])(\d+)(?:\.(\d+))?$")
+
+
+class Action(NamedTuple):
+    kind: str    # "F", "B" or "W"
+    stage: int
+    mb: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.kind}{self.mb}"
+        return text if self.chunk == 0 else f"{text}.{self.chunk}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        match = _ACTION_RE.match(text.strip())
+        if not match:
+            raise ValueError(f"cannot read action {text!r}: write <stage><F|B|W><micro-batch>, e.g. '1F3' "
+                             "(stage 1, forward, micro-batch 3), or '1F3.2' for time chunk 2")
+        stage, kind, mb, chunk = match.groups()
+        return cls(kind, int(stage), int(mb), int(chunk or 0))
+
+
+def F(stage: int, mb: int, chunk: int = 0) -> Action:
+    return Action("F", stage, mb, chunk)
+
+
+def B(stage: int, mb: int, chunk: int = 0) -> Action:
+    return Action("B", stage, mb, chunk)
+
+
+def W(stage: int, mb: int, chunk: int = 0) -> Action:
+    return Action("W", stage, mb, chunk)
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run; the message shows the grid and marks the bad action."""
+
+
+@dataclass
+class Schedule:
+    """An ordered action list per device, plus what is needed to check it.
+
+    stage_devices[s] is the index (0..p-1) of the device that holds stage s.
+    """
+
+    name: str
+    stage_devices: tuple[int, ...]
+    micro_batches: int
+    actions: list[list[Action]]
+    chunks: int = 1
+    split_backward: frozenset[int] = field(default_factory=frozenset)  # stages whose backward is B + W
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_devices)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.actions)
+
+    def dependencies(self, a: Action) -> list[Action]:
+        """The actions `a` must wait for (other than the one before it on its device)."""
+        n, last_chunk = self.num_stages, self.chunks - 1
+        if a.kind == "F":
+            deps = [F(a.stage - 1, a.mb, a.chunk)] if a.stage > 0 else []
+            if a.chunk > 0:  # recurrent state from the previous time chunk
+                deps.append(F(a.stage, a.mb, a.chunk - 1))
+        elif a.kind == "B":
+            deps = [F(a.stage, a.mb, a.chunk)]
+            if a.stage < n - 1:  # gradient of this stage's output
+                deps.append(B(a.stage + 1, a.mb, a.chunk))
+            if a.chunk < last_chunk:  # gradient of the state this chunk handed on (BPTT)
+                deps.append(B(a.stage, a.mb, a.chunk + 1))
+        else:
+            deps = [B(a.stage, a.mb, a.chunk)]
+        return deps
+
+    # -- checking -----------------------------------------------------------------
+    def validate(self) -> "Schedule":
+        """Raise ScheduleError naming the first bad action; return self when the schedule can run."""
+        n, m, p = self.num_stages, self.micro_batches, self.num_devices
+        if sorted(set(self.stage_devices)) != list(range(p)):
+            raise ScheduleError(f"stage_devices {list(self.stage_devices)} must use every device 0..{p - 1}")
+        seen: set[Action] = set()
+        for d, row in enumerate(self.actions):
+            for a in row:
+                problem = None
+                if a.kind not in KINDS:
+                    problem = f"unknown kind {a.kind!r}"
+                elif not 0 <= a.stage < n:
+                    problem = f"stage {a.stage} does not exist (stages 0..{n - 1})"
+                elif not 0 <= a.mb < m:
+                    problem = f"micro-batch {a.mb} does not exist (0..{m - 1})"
+                elif not 0 <= a.chunk < self.chunks:
+                    problem = f"chunk {a.chunk} does not exist (0..{self.chunks - 1})"
+                elif self.stage_devices[a.stage] != d:
+                    problem = f"stage {a.stage} lives on device {self.stage_devices[a.stage]}, not device {d}"
+                elif a in seen:
+                    problem = "appears twice"
+                elif a.kind == "W" and a.stage not in self.split_backward:
+                    problem = f"stage {a.stage} runs a full backward in B; it has no separate W"
+                if problem:
+                    raise ScheduleError(f"{a}: {problem}\n{self.grid(mark=a)}")
+                seen.add(a)
+        for s in range(n):
+            kinds = "FBW" if s in self.split_backward else "FB"
+            for kind in kinds:
+                for i in range(m):
+                    for c in range(self.chunks):
+                        if Action(kind, s, i, c) not in seen:
+                            raise ScheduleError(f"{Action(kind, s, i, c)} is missing: every stage needs "
+                                                f"{' and '.join(kinds)} for every micro-batch\n{self.grid()}")
+        run_order(self)  # raises on deadlock
+        return self
+
+    # -- printing -----------------------------------------------------------------
+    def grid(self, mark: Action | None = None) -> str:
+        """Device x step table; `mark` gets '<-- ERROR HERE' on its row."""
+        width = max([len(str(a)) for row in self.actions for a in row] + [3])
+        steps = max((len(row) for row in self.actions), default=0)
+        lines = [f"{'step':>8} " + " ".join(f"{k:>{width}}" for k in range(steps))]
+        for d, row in enumerate(self.actions):
+            cells = " ".join(f"{str(a):>{width}}" for a in row)
+            flag = "  <-- ERROR HERE" if mark is not None and mark in row else ""
+            lines.append(f"{'dev ' + str(d):>8} {cells}{flag}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return f"{self.name}: p={self.num_devices}, n={self.num_stages}, m={self.micro_batches}\n{self.grid()}"
+
+
+def run_order(schedule: Schedule, cost: Callable[[int, Action], float] = lambda d, a: 1.0,
+              link: Callable[[int, int, Action], float] = lambda src, dst, a: 0.0):
+    """Play the schedule: every device runs its list in order, an action starts when
+    its device is free and its dependencies have finished (plus `link` time when they
+    ran on another device). Returns [(device, action, start, end)] in start order.
+
+    This is the deadlock check and the core of the simulator: if at some point no
+    device can start its next action, the schedule can never finish.
+    """
+    done: dict[Action, tuple[int, float]] = {}          # action -> (device, end time)
+    free = [0.0] * schedule.num_devices
+    pos = [0] * schedule.num_devices
+    played = []
+    remaining = sum(len(row) for row in schedule.actions)
+    while remaining:
+        best = None
+        for d, row in enumerate(schedule.actions):
+            if pos[d] == len(row):
+                continue
+            a = row[pos[d]]
+            deps = schedule.dependencies(a)
+            if any(dep not in done for dep in deps):
+                continue
+            ready = max([free[d]] + [end + (link(src, d, a) if src != d else 0.0)
+                                     for src, end in (done[dep] for dep in deps)])
+            if best is None or ready < best[0]:
+                best = (ready, d, a)
+        if best is None:
+            waiting = []
+            for d, row in enumerate(schedule.actions):
+                if pos[d] < len(row):
+                    a = row[pos[d]]
+                    missing = ", ".join(str(x) for x in schedule.dependencies(a) if x not in done)
+                    waiting.append(f"device {d} waits at {a} for {missing}")
+            first = next(row[pos[d]] for d, row in enumerate(schedule.actions) if pos[d] < len(row))
+            raise ScheduleError("deadlock: no device can go on\n  " + "\n  ".join(waiting)
+                                + "\n" + schedule.grid(mark=first))
+        start, d, a = best
+        end = start + cost(d, a)
+        done[a] = (d, end)
+        free[d] = end
+        pos[d] += 1
+        remaining -= 1
+        played.append((d, a, start, end))
+    return played
+
+
+# -- generators ----------------------------------------------------------------------
+# Each takes stage_devices (stage -> device index) and m, and returns a Schedule.
+
+
+def _by_device(order: list[Action], stage_devices) -> list[list[Action]]:
+    """Project one global order onto the devices (keeps each device's relative order)."""
+    rows: list[list[Action]] = [[] for _ in range(max(stage_devices) + 1)]
+    for a in order:
+        rows[stage_devices[a.stage]].append(a)
+    return rows
+
+
+def naive(stage_devices, m: int = 1) -> Schedule:
+    """Plain model parallelism: one micro-batch at a time goes all the way forward and
+    back before the next starts, so exactly one device is ever busy (MXNet's example)."""
+    n = len(stage_devices)
+    order = []
+    for i in range(m):
+        order += [F(s, i) for s in range(n)]
+        order += [B(s, i) for s in reversed(range(n))]
+    return Schedule("naive", tuple(stage_devices), m, _by_device(order, stage_devices))
+
+
+def gpipe(stage_devices, m: int) -> Schedule:
+    """GPipe: fill the pipeline with all m forwards, then drain it with all backwards.
+
+    Clock table for n = 3, m = 4 (F of micro-batch i on stage s at tick i + s):
+        tick     0   1   2   3   4   5 | 6   7   8   9  10  11
+        stage 0  F0  F1  F2  F3        |         B0  B1  B2  B3
+        stage 1      F0  F1  F2  F3    |     B0  B1  B2  B3
+        stage 2          F0  F1  F2  F3| B0  B1  B2  B3
+    Dependencies always sit at an earlier tick, so any device may hold any stages.
+    """
+    n = len(stage_devices)
+    fwd = sorted((i + s, s, i) for s in range(n) for i in range(m))
+    bwd = sorted((i + (n - 1 - s), n - 1 - s, i) for s in range(n) for i in range(m))
+    order = [F(s, i) for _, s, i in fwd] + [B(n - 1 - r, i) for _, r, i in bwd]
+    return Schedule("gpipe", tuple(stage_devices), m, _by_device(order, stage_devices))
+
+
+def one_f_one_b(stage_devices, m: int) -> Schedule:
+    """1F1B: after a short warm-up each device alternates one forward and one backward,
+    so stage s holds the activations of at most n - s micro-batches (GPipe: m)."""
+    n = len(stage_devices)
+    if len(set(stage_devices)) != n:
+        if _is_round_robin(stage_devices):
+            return interleaved(stage_devices, m)
+        raise ValueError(f"1f1b needs one stage per device, or stages dealt round-robin to devices "
+                         f"(interleaved); got stage devices {list(stage_devices)}. Use schedule='gpipe' "
+                         "for other placements")
+    rows: list[list[Action]] = [[] for _ in range(n)]
+    for s in range(n):
+        row = rows[stage_devices[s]]
+        warmup = min(n - s - 1, m)
+        row += [F(s, i) for i in range(warmup)]                 # warm-up: fill the pipe
+        for i in range(m - warmup):                            # steady state: one F, one B
+            row += [F(s, warmup + i), B(s, i)]
+        row += [B(s, i) for i in range(m - warmup, m)]          # cool-down: drain
+    return Schedule("1f1b", tuple(stage_devices), m, rows)
+
+
+def _is_round_robin(stage_devices) -> bool:
+    p = max(stage_devices) + 1
+    return len(stage_devices) % p == 0 and all(d == s % p for s, d in enumerate(stage_devices))
+
+
+def interleaved(stage_devices, m: int) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM): each of p devices holds v stages dealt round-robin
+    (stage s on device s % p). Forwards go in groups of p micro-batches per model chunk;
+    the bubble shrinks by a factor v at the cost of v times more transfers."""
+    p, n = max(stage_devices) + 1, len(stage_devices)
+    v = n // p
+    if not _is_round_robin(stage_devices) or v < 2:
+        raise ValueError(f"interleaved needs each of the p devices to hold v >= 2 stages dealt round-robin "
+                         f"(stage s on device s % p), got stage devices {list(stage_devices)}; e.g. "
+                         "'embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu0 | lstm3,decode:vgpu1'")
+    if m % p:
+        raise ValueError(f"interleaved needs micro_batches to be a multiple of the {p} devices, got {m}")
+    total = m * v
+
+    def nth(k: int, d: int, backward: bool) -> Action:
+        group = (k // p) % v                       # which of the device's model chunks
+        chunk = v - 1 - group if backward else group
+        mb = (k // (p * v)) * p + k % p
+        return Action("B" if backward else "F", chunk * p + d, mb)
+
+    rows = []
+    for d in range(p):
+        warmup = min((p - d - 1) * 2 + (v - 1) * p, total)
+        row = [nth(k, d, False) for k in range(warmup)]          # warm-up
+        for k in range(total - warmup):                          # steady state
+            row += [nth(warmup + k, d, False), nth(k, d, True)]
+        row += [nth(k, d, True) for k in range(total - warmup, total)]  # cool-down
+        rows.append(row)
+    return Schedule("interleaved", tuple(stage_devices), m, rows)
+
+
+def zb1(stage_devices, m: int) -> Schedule:
+    """Zero bubble ZB-H1 (Qi et al., 2023): the backward is split into B (input
+    gradient, which the previous stage waits for) and W (weight gradient, which
+    nobody waits for), and W's are moved to where 1F1B sat idle.
+
+    Stage s runs 1F1B's F and B order but delays each W by s places: the last
+    stages, which 1F1B keeps busiest early, push their W's into the cool-down, so
+    the B's that the first stages wait for arrive sooner. With equal F, B and W
+    times the bubble is (p - 1) units against 1F1B's 3 (p - 1); every stage holds
+    at most n micro-batches whose W is not done, 1F1B's peak on stage 0.
+    """
+    n = len(stage_devices)
+    if len(set(stage_devices)) != n:
+        raise ValueError(f"zb1 needs one stage per device, got stage devices {list(stage_devices)}")
+    rows: list[list[Action]] = [[] for _ in range(n)]
+    for s in range(n):
+        row = rows[stage_devices[s]]
+        warmup = min(n - s - 1, m)
+        row += [F(s, i) for i in range(warmup)]                 # warm-up
+        for i in range(m):                                     # steady state and cool-down
+            if warmup + i < m:
+                row.append(F(s, warmup + i))
+            row.append(B(s, i))
+            if i >= s:
+                row.append(W(s, i - s))                        # W delayed by s places
+        row += [W(s, i) for i in range(max(m - s, 0), m)]      # the delayed W's
+    return Schedule("zb1", tuple(stage_devices), m, rows, split_backward=frozenset(range(n)))
+
+
+GENERATORS: dict[str, Callable[..., Schedule]] = {
+    "naive": naive,
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb1": zb1,
+}
+
+
+def make(name: str, stage_devices, m: int) -> Schedule:
+    """Build and validate the named schedule."""
+    key = name.lower().replace("-", "").replace("_", "")
+    aliases = {"1f1b": "1f1b", "onefoneb": "1f1b", "zb": "zb1", "zbh1": "zb1", "zerobubble": "zb1"}
+    key = aliases.get(key, key)
+    if key not in GENERATORS:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(GENERATORS)}")
+    if not isinstance(m, int) or m < 1:
+        raise ValueError(f"micro_batches must be a whole number >= 1, got {m!r}")
+    return GENERATORS[key](list(stage_devices), m).validate()

@@ -1,0 +1,127 @@
+"""Stage: a run of consecutive layers on one device; forward, backward (B) and weight-gradient (W) per micro-batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .devices import Device
+from .model import nll_sum
+
+# A stage's contract with its neighbours, per micro-batch i and time chunk c:
+#   forward(i, c, x)          x: (T, b) token ids on stage 0, else (T, b, H) floats
+#                             -> (T, b, H) activation for the next stage, or on the
+#                                last stage the scaled loss (a scalar)
+#   backward(i, c, grad_out)  grad_out: d loss / d output, (T, b, H); None on the last stage
+#                             -> d loss / d x for the previous stage (None on stage 0)
+# Inputs are detached at the boundary and made leaves that require grad, so each
+# stage's backward stops at its own input and runs on its own device's thread.
+# Recurrent state (h, c) flows from chunk c to chunk c+1 inside the stage; its
+# gradient flows back from chunk c+1's backward to chunk c's (BPTT).
+
+
+@dataclass
+class _Saved:
+    """What backward needs from one forward: the graph's ends and its leaves."""
+
+    x: torch.Tensor | None                    # the detached input leaf (None for token ids)
+    output: torch.Tensor                      # activation sent on, or the loss
+    state_in: list[torch.Tensor] = field(default_factory=list)   # leaves: state from chunk c-1
+    state_out: list[torch.Tensor] = field(default_factory=list)  # state handed to chunk c+1
+    grads: list | None = None                 # kept by B for W: (outputs, grad_outputs)
+
+
+class Stage:
+    """Layers `names` of a model, run on `device`."""
+
+    def __init__(self, index: int, names: list[str], layers: list[torch.nn.Module], device: Device,
+                 is_last: bool):
+        self.index = index
+        self.names = names
+        self.layers = layers
+        self.device = device
+        self.is_first = index == 0
+        self.is_last = is_last
+        self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        self.saved: dict[tuple[int, int], _Saved] = {}
+        self.state: dict[int, dict] = {}        # micro-batch -> per-layer (h, c) after its latest chunk
+        self.state_grad: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self.nll: dict[tuple[int, int], torch.Tensor] = {}   # last stage: summed NLL per (mb, chunk)
+
+    def __repr__(self) -> str:
+        return f"Stage({self.index}, {','.join(self.names)} on {self.device})"
+
+    def reset(self, keep_state: bool = False) -> None:
+        """Forget a step's saved tensors (and, unless carrying it, the recurrent state)."""
+        self.saved.clear()
+        self.state_grad.clear()
+        self.nll.clear()
+        if not keep_state:
+            self.state.clear()
+
+    # -- forward --------------------------------------------------------------------
+    def forward(self, mb: int, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None,
+                scale: float = 1.0, train: bool = True) -> torch.Tensor:
+        """Run the layers on one micro-batch; on the last stage return `nll_sum * scale`."""
+        if not train:
+            with torch.no_grad():
+                return self._run(mb, chunk, x, targets, scale, train=False)[0]
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)     # boundary: backward stops here
+        out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
+        self.saved[mb, chunk] = _Saved(x if x.requires_grad else None, out, state_in, state_out)
+        return out
+
+    def _run(self, mb, chunk, x, targets, scale, train):
+        previous = self.state.get(mb, {})
+        state_in, state_out, new_state = [], [], {}
+        for name, layer in zip(self.names, self.layers):
+            state = previous.get(name)
+            if state is not None:
+                # chunk > 0: the state is a leaf whose grad goes back to chunk - 1.
+                # Carried across steps (stream mode): a leaf without grad (the graph is cut).
+                state = tuple(t.detach().requires_grad_(train and chunk > 0) for t in state)
+                if train and chunk > 0:
+                    state_in += list(state)
+            x, state = layer(x, state)
+            if state is not None:
+                new_state[name] = tuple(t.detach() for t in state)
+                state_out += list(state)
+        self.state[mb] = new_state
+        if self.is_last:
+            nll = nll_sum(x, targets)
+            self.nll[mb, chunk] = nll.detach()
+            x = nll * scale
+        return x, state_in, state_out
+
+    # -- backward -------------------------------------------------------------------
+    def backward(self, mb: int, chunk: int, grad_out: torch.Tensor | None, weights: bool = True):
+        """B: return d loss / d input (None on stage 0). With weights=False, leave the
+        weight gradient for a later `backward_weight` (zero-bubble W)."""
+        saved = self.saved[mb, chunk]
+        outputs, grads = [saved.output], [grad_out]   # grad None: the loss itself (d loss / d loss = 1)
+        state_grads = self.state_grad.pop((mb, chunk), None)
+        if state_grads is not None:                     # from chunk + 1's backward
+            for t, g in zip(saved.state_out, state_grads):
+                if g is not None:
+                    outputs.append(t)
+                    grads.append(g)
+        leaves = ([saved.x] if saved.x is not None else []) + saved.state_in
+        if weights:
+            torch.autograd.backward(outputs, grads, inputs=leaves + self.params)
+            leaf_grads = [t.grad for t in leaves]
+            del self.saved[mb, chunk]
+        else:
+            leaf_grads = (torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
+                          if leaves else [])
+            saved.grads = [outputs, grads]
+        if saved.state_in:                             # hand the state gradient to chunk - 1
+            self.state_grad[mb, chunk - 1] = list(leaf_grads[-len(saved.state_in):])
+        return leaf_grads[0] if saved.x is not None else None
+
+    def backward_weight(self, mb: int, chunk: int) -> None:
+        """W: accumulate the weight gradients of a micro-batch whose B already ran."""
+        saved = self.saved.pop((mb, chunk))
+        outputs, grads = saved.grads
+        if self.params:
+            torch.autograd.backward(outputs, grads, inputs=self.params)

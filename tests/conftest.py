@@ -1,0 +1,30 @@
+"""Shared test helpers: a tiny model and a padded time-major batch."""
+import pytest
+import torch
+
+VOCAB = 61
+
+
+def make_batch(T=9, B=8, vocab=VOCAB, seed=0, carry_state=False):
+    """A (T, B) batch whose columns have different lengths, so padding is exercised."""
+    from mpedu.bucketing import Batch
+    g = torch.Generator().manual_seed(seed)
+    targets = torch.randint(3, vocab, (T, B), generator=g)
+    lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
+    lengths[0] = T
+    for b in range(B):
+        targets[lengths[b]:, b] = 0
+    inputs = torch.cat([torch.full((1, B), 2), targets[:-1]])   # <eos> first, then targets shifted
+    inputs[targets == 0] = 0
+    return Batch(inputs, targets, targets != 0, T, carry_state)
+
+
+def tiny_model(num_layers=3, seed=0, **overrides):
+    from mpedu.model import LSTMLM
+    torch.manual_seed(seed)
+    return LSTMLM.from_config("tiny", VOCAB, num_layers=num_layers, **overrides)
+
+
+@pytest.fixture
+def batch():
+    return make_batch()

@@ -1,0 +1,63 @@
+"""Devices: real or virtual, listed honestly; workers run jobs in order, single-threaded, concurrently."""
+import threading
+import time
+
+import pytest
+import torch
+
+from mpedu.devices import Worker, describe_devices, get_device, get_devices, list_devices
+
+
+def test_virtual_devices_are_listed_as_virtual():
+    devices = list_devices()
+    virtual = [d for d in devices if d.virtual]
+    assert [d.name for d in virtual[:2]] == ["vgpu:0", "vgpu:1"]
+    assert len([d for d in devices if not d.virtual]) == torch.cuda.device_count()
+    text = describe_devices()
+    assert "vgpu:0  virtual" in text
+
+
+def test_lookup_accepts_both_spellings_and_explains_missing_devices():
+    assert get_device("vgpu1") == get_device("vgpu:1")
+    assert get_device("vgpu:1").torch_device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"device 'cuda:7' does not exist; this machine offers .*vgpu:0"):
+        get_device("cuda:7")
+    with pytest.raises(ValueError, match="asked for 99 virtual devices"):
+        get_devices(99, "virtual")
+    with pytest.raises(ValueError, match="unknown device kind 'tpu'"):
+        get_devices(1, "tpu")
+
+
+def test_worker_runs_jobs_in_order_and_returns_errors():
+    worker = Worker(get_device("vgpu:0"))
+    try:
+        seen = []
+        futures = [worker.submit(lambda k=k: seen.append(k) or k) for k in range(5)]
+        assert [f.result() for f in futures] == list(range(5)) and seen == list(range(5))
+        failing = worker.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failing.result()
+        assert worker.submit(torch.get_num_threads).result() == 1
+        assert worker.submit(lambda: threading.current_thread().name).result() == "mpedu-vgpu:0"
+    finally:
+        worker.stop()
+    assert not worker.alive
+
+
+def test_two_virtual_devices_compute_at_the_same_time():
+    """Each worker runs torch work; their busy intervals overlap (torch releases the GIL)."""
+    workers = [Worker(get_device(f"vgpu:{i}")) for i in range(2)]
+    a = torch.randn(256, 256)
+
+    def busy():
+        start = time.perf_counter()
+        for _ in range(60):
+            a @ a
+        return start, time.perf_counter()
+
+    try:
+        (s0, e0), (s1, e1) = [f.result() for f in [w.submit(busy) for w in workers]]
+    finally:
+        for w in workers:
+            w.stop()
+    assert max(s0, s1) < min(e0, e1), "the two devices never ran at once"

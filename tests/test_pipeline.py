@@ -1,0 +1,245 @@
+"""The pipeline gives exactly the single-device loss and gradients, survives failures, and cleans up."""
+import gc
+import os
+import signal
+import time
+import traceback
+
+import pytest
+import torch
+
+from conftest import make_batch, tiny_model
+from mpedu.model import nll_sum
+from mpedu.pipeline import Pipeline
+from mpedu.stage import Stage
+
+BALANCED = "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1"
+UNBALANCED = "embed:vgpu0 | lstm0-2,decode:vgpu1"
+NON_CONTIGUOUS = "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu0 | decode:vgpu1"
+THREE = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2,decode:vgpu2"
+SINGLE = "embed,lstm0-2,decode:vgpu0"
+
+CASES = [
+    ("naive", SINGLE, 1), ("naive", BALANCED, 1), ("naive", UNBALANCED, 4),
+    ("gpipe", SINGLE, 4), ("gpipe", BALANCED, 4), ("gpipe", UNBALANCED, 8), ("gpipe", NON_CONTIGUOUS, 2),
+    ("gpipe", THREE, 8),
+    ("1f1b", BALANCED, 4), ("1f1b", UNBALANCED, 2), ("1f1b", THREE, 8),
+    ("interleaved", NON_CONTIGUOUS, 4), ("1f1b", NON_CONTIGUOUS, 2),
+    ("zb1", BALANCED, 4), ("zb1", THREE, 8), ("zb1", SINGLE, 2),
+]
+
+
+def reference(model, batch):
+    """The single-device model's loss and gradients (mean NLL per real token)."""
+    model.zero_grad()
+    logits, _ = model(batch.inputs)
+    loss = nll_sum(logits, batch.targets) / batch.tokens
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("schedule,placement,m", CASES)
+def test_pipeline_gives_the_single_device_loss_and_gradients(schedule, placement, m, batch):
+    model = tiny_model()
+    ref_loss, ref_grads = reference(model, batch)
+    with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
+        result = pipe.train_step(batch)
+        assert result.loss == pytest.approx(ref_loss, rel=1e-6)
+        assert result.tokens == batch.tokens
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+        # a second step accumulates: gradients double
+        pipe.train_step(batch)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, 2 * ref_grads[name], rtol=1e-5, atol=2e-7, msg=name)
+
+
+def test_eval_step_matches_the_model_and_leaves_no_gradients(batch):
+    model = tiny_model()
+    ref_loss, _ = reference(model, batch)
+    with Pipeline(model, BALANCED, "1f1b", micro_batches=4) as pipe:
+        result = pipe.eval_step(batch)
+    assert result.loss == pytest.approx(ref_loss, rel=1e-6)
+    assert all(p.grad is None for p in model.parameters())
+    assert {e.kind for e in result.timeline.events} == {"F", "send"}
+
+
+def test_stream_mode_carries_state_per_micro_batch_like_one_device():
+    first, second = make_batch(seed=1, carry_state=True), make_batch(seed=2, carry_state=True)
+    # no padding in stream mode
+    for b in (first, second):
+        b.targets[b.targets == 0] = 5
+        b.inputs[b.inputs == 0] = 5
+        b.mask[:] = True
+    model = tiny_model()
+    with torch.no_grad():
+        _, state = model(first.inputs)
+        logits, _ = model(second.inputs, state)
+        ref = (nll_sum(logits, second.targets) / second.tokens).item()
+        logits, _ = model(second.inputs)
+        fresh = (nll_sum(logits, second.targets) / second.tokens).item()
+    assert abs(ref - fresh) > 1e-4, "the test needs state to matter"
+    with Pipeline(model, BALANCED, "gpipe", micro_batches=4) as pipe:
+        pipe.eval_step(first)
+        assert pipe.eval_step(second).loss == pytest.approx(ref, rel=1e-6)
+        pipe.reset_state()
+        assert pipe.eval_step(second).loss == pytest.approx(fresh, rel=1e-6)
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _inject(monkeypatch, kind, stage_index, mb):
+    """Make one action raise Injected; count how many actions ran."""
+    method = "forward" if kind == "F" else "backward"
+    original = getattr(Stage, method)
+
+    def broken(self, mb_, chunk, *args, **kwargs):
+        if self.index == stage_index and mb_ == mb:
+            raise Injected(f"boom in {kind} stage {stage_index} mb {mb}")
+        return original(self, mb_, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(Stage, method, broken)
+    return original
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb1"])
+@pytest.mark.parametrize("kind", ["F", "B"])
+@pytest.mark.parametrize("stage_index", [0, 1, 2])
+@pytest.mark.parametrize("mb", [0, 3])
+def test_an_exception_anywhere_reaches_the_caller_and_the_next_step_works(
+        monkeypatch, schedule, kind, stage_index, mb, batch):
+    model = tiny_model()
+    ref_loss, ref_grads = reference(model, batch)
+    pipe = Pipeline(model, THREE, schedule, micro_batches=4)
+    try:
+        _inject(monkeypatch, kind, stage_index, mb)
+        with pytest.raises(Injected, match=f"boom in {kind} stage {stage_index} mb {mb}") as err:
+            pipe.train_step(batch)
+        frames = [f.name for f in traceback.extract_tb(err.value.__traceback__)]
+        assert "broken" in frames, f"the original traceback is lost: {frames}"
+        assert all(w.alive for w in pipe._workers)
+        monkeypatch.undo()
+        model.zero_grad()
+        result = pipe.train_step(batch)
+        assert result.loss == pytest.approx(ref_loss, rel=1e-6)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7)
+    finally:
+        pipe.close()
+
+
+def test_a_failure_stops_the_other_devices_early(monkeypatch):
+    """After stage 0 fails on micro-batch 0, later forwards never run (a counter proves it)."""
+    batch = make_batch(B=16)
+    model = tiny_model()
+    ran = []
+    original = Stage.forward
+
+    def counting(self, mb, chunk, *args, **kwargs):
+        if self.index == 0 and mb == 0:
+            raise Injected("first forward fails")
+        ran.append((self.index, mb))
+        return original(self, mb, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(Stage, "forward", counting)
+    with Pipeline(model, BALANCED, "gpipe", micro_batches=8) as pipe:
+        with pytest.raises(Injected):
+            pipe.train_step(batch)
+    assert not any(stage == 1 for stage, _ in ran), "stage 1 cannot have received anything"
+    assert len(ran) < 8
+
+
+def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
+    model = tiny_model()
+    ref_loss, _ = reference(model, batch)
+    original = Stage.forward
+
+    def interrupting(self, mb, chunk, *args, **kwargs):
+        if self.index == 1 and mb == 1:
+            os.kill(os.getpid(), signal.SIGINT)   # what Jupyter's "interrupt kernel" sends
+            time.sleep(0.2)
+        return original(self, mb, chunk, *args, **kwargs)
+
+    with Pipeline(model, BALANCED, "gpipe", micro_batches=4) as pipe:
+        monkeypatch.setattr(Stage, "forward", interrupting)
+        with pytest.raises(KeyboardInterrupt):
+            pipe.train_step(batch)
+        monkeypatch.undo()
+        model.zero_grad()
+        assert pipe.train_step(batch).loss == pytest.approx(ref_loss, rel=1e-6)
+
+
+def _wait_until(predicate, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_workers_end_when_closed_or_collected(batch):
+    pipe = Pipeline(tiny_model(), BALANCED, "gpipe", micro_batches=2)
+    pipe.train_step(batch)
+    threads = [w._thread for w in pipe._workers]
+    assert [t.name for t in threads] == ["mpedu-vgpu:0", "mpedu-vgpu:1"] and all(t.is_alive() for t in threads)
+    pipe.close()
+    assert not any(t.is_alive() for t in threads), "close() returned before the workers ended"
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.train_step(batch)
+
+    pipe = Pipeline(tiny_model(), BALANCED, "gpipe", micro_batches=2)
+    pipe.train_step(batch)
+    threads = [w._thread for w in pipe._workers]
+    del pipe
+    gc.collect()
+    assert _wait_until(lambda: not any(t.is_alive() for t in threads)), "an unreferenced pipeline kept its workers"
+
+
+def test_virtual_workers_run_torch_single_threaded():
+    with Pipeline(tiny_model(), BALANCED, "gpipe", micro_batches=2) as pipe:
+        counts = [w.submit(torch.get_num_threads).result() for w in pipe._workers]
+    assert counts == [1, 1]
+
+
+def test_timeline_records_every_action_and_transfer_in_causal_order(batch):
+    with Pipeline(tiny_model(), THREE, "1f1b", micro_batches=4) as pipe:
+        result = pipe.train_step(batch)
+    tl = result.timeline
+    assert tl.devices == ["vgpu:0", "vgpu:1", "vgpu:2"]
+    assert len(tl.compute()) == 3 * 4 * 2
+    # forwards send to the next stage, backwards to the previous: 2 edges x 4 mbs x 2 directions
+    assert len(tl.transfers()) == 16
+    ends = {(e.kind, e.stage, e.mb): e.end for e in tl.compute()}
+    for e in tl.compute():
+        if e.kind == "F" and e.stage > 0:
+            assert e.start >= ends["F", e.stage - 1, e.mb]
+        if e.kind == "B" and e.stage < 2:
+            assert e.start >= ends["B", e.stage + 1, e.mb]
+    for d in tl.devices:
+        boxes = tl.compute(d)
+        assert all(a.end <= b.start for a, b in zip(boxes, boxes[1:])), f"{d} ran two actions at once"
+        assert [e.label for e in boxes] == [str(a) for a in pipe.schedule.actions[tl.devices.index(d)]]
+    # the activation sent from stage 0 is (T, b, E) floats
+    sent = [e for e in tl.transfers() if e.stage == 0 and e.mb == 0]
+    assert sent[0].bytes == batch.inputs.shape[0] * 2 * 32 * 4 and sent[0].peer == "vgpu:1"
+    assert 0.0 <= tl.bubble_fraction < 1.0
+
+
+def test_bad_arguments_get_clear_errors(batch):
+    model = tiny_model()
+    with pytest.raises(ValueError, match="micro_batches=3 does not divide"):
+        with Pipeline(model, BALANCED, "gpipe", micro_batches=3) as pipe:
+            pipe.train_step(batch)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        Pipeline(model, BALANCED, "fastest")
+    tied = tiny_model(embed_size=64, tie_weights=True)
+    with pytest.raises(ValueError, match="tied weights: embed .vgpu:0. and decode .vgpu:1."):
+        Pipeline(tied, BALANCED, "gpipe")
+    ref_loss, ref_grads = reference(tied, batch)
+    with Pipeline(tied, SINGLE, "gpipe", 2) as pipe:   # together on one device: allowed
+        assert pipe.train_step(batch).loss == pytest.approx(ref_loss, rel=1e-6)

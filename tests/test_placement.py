@@ -1,0 +1,62 @@
+"""Placements (MXNet's group2ctx): parsing, stages, and errors that teach."""
+import pytest
+
+from conftest import tiny_model
+from mpedu.devices import get_device
+from mpedu.placement import Placement
+
+
+@pytest.fixture
+def model():
+    return tiny_model(num_layers=4)   # embed, lstm0..lstm3, decode
+
+
+def test_parse_groups_ranges_and_device_spellings(model):
+    p = Placement.parse("embed, lstm0-1 : vgpu0 | lstm2-3,decode:vgpu:1", model)
+    assert {k: v.name for k, v in p.assignment.items()} == {
+        "embed": "vgpu:0", "lstm0": "vgpu:0", "lstm1": "vgpu:0",
+        "lstm2": "vgpu:1", "lstm3": "vgpu:1", "decode": "vgpu:1"}
+    assert p.stages == [(get_device("vgpu0"), ["embed", "lstm0", "lstm1"]),
+                        (get_device("vgpu1"), ["lstm2", "lstm3", "decode"])]
+    assert str(p) == "embed,lstm0-1:vgpu0 | lstm2-3,decode:vgpu1"
+    assert Placement.parse(str(p), model) == p
+
+
+def test_a_device_may_hold_several_stages(model):
+    p = Placement.parse("embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu0 | lstm3,decode:vgpu1", model)
+    assert len(p.stages) == 4
+    assert [d.name for d in p.devices] == ["vgpu:0", "vgpu:1"]
+    assert p.stage_devices == [0, 1, 0, 1]
+
+
+def test_dict_and_even_and_single(model):
+    p = Placement.from_dict({n: "vgpu:1" if n in ("lstm3", "decode") else "vgpu:0" for n in model.layer_names},
+                            model)
+    assert p.stage_devices == [0, 1]
+    even = Placement.even(model, 3)
+    assert [names for _, names in even.stages] == [["embed", "lstm0"], ["lstm1", "lstm2"], ["lstm3", "decode"]]
+    assert len(Placement.even(model, ["vgpu:0", "vgpu:1", "vgpu:2", "vgpu:3"]).stages) == 4
+    assert Placement.single(model).stage_devices == [0]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("embed,lstm0-3:vgpu0 | lstm9,decode:vgpu1", "layer 'lstm9' is not in the model; its layers are embed"),
+    ("embed,lstm0-3:vgpu0", "layer 'decode' is not placed on any device"),
+    ("embed,lstm0-3:vgpu0 | lstm3,decode:vgpu1", "layer 'lstm3' is placed twice"),
+    ("embed,lstm0-3,decode:tpu0", "device 'tpu0' does not exist; this machine offers .*vgpu:0"),
+    ("embed,lstm0-3,decode:vgpu99", "device 'vgpu99' does not exist"),
+    ("", "empty placement"),
+    ("embed,lstm0-3,decode", "has no device"),
+    ("embed,lstm3-0,decode:vgpu0", "runs backwards; write lstm0-3"),
+    (":vgpu0", "names no layers"),
+])
+def test_bad_placements_name_the_layer_or_device(model, text, message):
+    with pytest.raises(ValueError, match=message):
+        Placement.parse(text, model)
+
+
+def test_even_refuses_more_devices_than_layers(model):
+    with pytest.raises(ValueError, match="7 devices but only 6 layers"):
+        Placement.even(model, [f"vgpu:{i}" for i in range(7)])
+    with pytest.raises(ValueError, match="need at least one device"):
+        Placement.even(model, 0)

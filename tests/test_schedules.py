@@ -1,0 +1,172 @@
+"""Schedules are data: generators checked against literal tables, the validator, the string form."""
+import pytest
+
+from mpedu.schedules import Action, B, F, Schedule, ScheduleError, W, make, run_order
+
+
+def table(schedule: Schedule) -> list[str]:
+    return [" ".join(str(a) for a in row) for row in schedule.actions]
+
+
+# Each table is one row per device, aligned so a reader sees the phases.
+
+def test_gpipe_fills_then_drains():
+    assert table(make("gpipe", [0, 1, 2], 4)) == [
+        "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3",
+        "1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3",
+        "2F0 2F1 2F2 2F3 2B0 2B1 2B2 2B3",
+    ]
+
+
+def test_gpipe_with_a_device_holding_two_stages():
+    assert table(make("gpipe", [0, 1, 0], 3)) == [
+        "0F0 0F1 0F2 2F0 2F1 2F2 2B0 2B1 2B2 0B0 0B1 0B2",
+        "1F0 1F1 1F2 1B0 1B1 1B2",
+    ]
+
+
+def test_1f1b_warm_up_steady_cool_down():
+    assert table(make("1f1b", [0, 1, 2], 4)) == [
+        # warm-up  | steady state | cool-down
+        "0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3",
+        "1F0 1F1 1B0 1F2 1B1 1F3 1B2 1B3",
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3",
+    ]
+    assert table(make("1f1b", [0, 1], 5)) == [
+        "0F0 0F1 0B0 0F2 0B1 0F3 0B2 0F4 0B3 0B4",
+        "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3 1F4 1B4",
+    ]
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages():
+    assert table(make("1f1b", [0, 1, 2], 1)) == ["0F0 0B0", "1F0 1B0", "2F0 2B0"]
+
+
+def test_zb1_delays_w_by_the_stage_index():
+    assert table(make("zb1", [0, 1, 2], 3)) == [
+        "0F0 0F1 0F2 0B0 0W0 0B1 0W1 0B2 0W2",
+        "1F0 1F1 1B0 1F2 1B1 1W0 1B2 1W1 1W2",
+        "2F0 2B0 2F1 2B1 2F2 2B2 2W0 2W1 2W2",
+    ]
+
+
+def test_interleaved_two_devices_two_chunks():
+    assert table(make("interleaved", [0, 1, 0, 1], 4)) == [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+    ]
+    # 1f1b on a round-robin placement is the interleaved schedule
+    assert table(make("1f1b", [0, 1, 0, 1], 4)) == table(make("interleaved", [0, 1, 0, 1], 4))
+
+
+def test_naive_runs_one_micro_batch_at_a_time():
+    assert table(make("naive", [0, 1], 2)) == ["0F0 0B0 0F1 0B1", "1F0 1B0 1F1 1B1"]
+    played = run_order(make("naive", [0, 1, 2], 3))
+    starts = sorted((start, end) for _, _, start, end in played)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(starts, starts[1:])), \
+        "naive model parallelism must keep exactly one device busy at a time"
+
+
+@pytest.mark.parametrize("text", ["0F0", "1F3", "12B7", "2W0", "3F1.2"])
+def test_action_string_round_trips(text):
+    assert str(Action.parse(text)) == text
+
+
+def test_action_parse_rejects_garbage_with_a_hint():
+    with pytest.raises(ValueError, match="stage 1, forward, micro-batch 3"):
+        Action.parse("F13")
+
+
+def _bubble(schedule, f=1.0, b=2.0, w=1.0):
+    def cost(d, a):
+        if a.kind == "F":
+            return f
+        if a.kind == "W":
+            return w
+        return b - w if a.stage in schedule.split_backward else b
+    played = run_order(schedule, cost)
+    span = max(end for *_, end in played)
+    busy = sum(end - start for _, _, start, end in played)
+    return 1 - busy / (schedule.num_devices * span), span
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 8), (4, 8), (8, 32)])
+def test_textbook_bubbles_with_equal_costs(p, m):
+    devices = list(range(p))
+    gpipe, _ = _bubble(make("gpipe", devices, m))
+    assert gpipe == pytest.approx((p - 1) / (m + p - 1))
+    one_f, span_1f1b = _bubble(make("1f1b", devices, m))
+    assert one_f == pytest.approx(gpipe)
+    # ZB-H1 with F = B = W: idle time per device (p - 1) against 1F1B's 3 (p - 1)
+    _, span_zb = _bubble(make("zb1", devices, m), f=1, b=2, w=1)
+    assert span_zb == pytest.approx(3 * m + (p - 1))
+    assert (span_zb - 3 * m) == pytest.approx((span_1f1b - 3 * m) / 3)
+
+
+def test_interleaving_shrinks_the_bubble():
+    plain, _ = _bubble(make("1f1b", [0, 1], 8))
+    inter, _ = _bubble(make("interleaved", [0, 1, 0, 1], 8), f=0.5, b=1.0)  # half-size stages
+    assert inter < plain
+
+
+@pytest.mark.parametrize("name", ["naive", "gpipe", "1f1b", "zb1"])
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 7])
+def test_every_generated_schedule_validates(name, p, m):
+    schedule = make(name, list(range(p)), m)
+    counts = sum(len(row) for row in schedule.actions)
+    assert counts == p * m * (3 if name == "zb1" else 2)
+
+
+def test_validator_names_a_missing_action():
+    s = make("gpipe", [0, 1], 2)
+    s.actions[1].remove(B(1, 1))
+    with pytest.raises(ScheduleError, match="1B1 is missing"):
+        s.validate()
+
+
+def test_validator_marks_an_action_on_the_wrong_device():
+    s = make("gpipe", [0, 1], 2)
+    s.actions[0].append(F(1, 0))
+    with pytest.raises(ScheduleError) as err:
+        s.validate()
+    assert "1F0: stage 1 lives on device 1, not device 0" in str(err.value)
+    assert "dev 0" in str(err.value) and "<-- ERROR HERE" in str(err.value)
+
+
+def test_validator_finds_a_deadlock_and_says_who_waits_for_what():
+    s = Schedule("bad", (0, 1), 1, [[B(0, 0), F(0, 0)], [F(1, 0), B(1, 0)]])
+    with pytest.raises(ScheduleError, match="deadlock") as err:
+        s.validate()
+    assert "device 0 waits at 0B0 for 0F0" in str(err.value)
+
+
+def test_validator_rejects_duplicates_and_w_without_split():
+    s = make("gpipe", [0, 1], 2)
+    s.actions[0].insert(0, F(0, 0))
+    with pytest.raises(ScheduleError, match="appears twice"):
+        s.validate()
+    s = make("gpipe", [0, 1], 1)
+    s.actions[0].append(W(0, 0))
+    with pytest.raises(ScheduleError, match="no separate W"):
+        s.validate()
+
+
+def test_make_explains_bad_names_and_counts():
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'.*gpipe"):
+        make("pipedream", [0, 1], 2)
+    with pytest.raises(ValueError, match="micro_batches must be .* got 0"):
+        make("gpipe", [0, 1], 0)
+    with pytest.raises(ValueError, match="multiple of the 2 devices"):
+        make("interleaved", [0, 1, 0, 1], 3)
+    with pytest.raises(ValueError, match="one stage per device"):
+        make("zb1", [0, 1, 0], 2)
+    with pytest.raises(ValueError, match="round-robin"):
+        make("1f1b", [0, 0, 1], 2)
+
+
+def test_wavefront_dependencies_follow_bptt():
+    s = Schedule("chunks", (0, 1), 1, [[], []], chunks=3)
+    assert set(s.dependencies(F(1, 0, 2))) == {F(0, 0, 2), F(1, 0, 1)}
+    assert set(s.dependencies(B(0, 0, 1))) == {F(0, 0, 1), B(1, 0, 1), B(0, 0, 2)}
+    assert set(s.dependencies(B(1, 0, 2))) == {F(1, 0, 2)}

@@ -1,0 +1,39 @@
+"""Timeline arithmetic: makespan, busy and idle time, bubble fraction, text and JSON."""
+import pytest
+
+from mpedu.timeline import Event, Timeline
+
+
+def two_device_gpipe():
+    # vgpu:0: F0 [0,1) F1 [1,2) .......... B0 [5,7) B1 [7,9)   busy 6 of 9
+    # vgpu:1:        F0 [1,2) F1 [2,3) B0 [3,5) B1 [5,7)   busy 6 of 9
+    t = Timeline(["vgpu:0", "vgpu:1"])
+    for e in [Event("vgpu:0", "F", 0, 0, 0.0, 1.0), Event("vgpu:0", "F", 0, 1, 1.0, 2.0),
+              Event("vgpu:0", "send", 0, 0, 1.0, 1.0, bytes=100, peer="vgpu:1"),
+              Event("vgpu:1", "F", 1, 0, 1.0, 2.0), Event("vgpu:1", "F", 1, 1, 2.0, 3.0),
+              Event("vgpu:1", "B", 1, 0, 3.0, 5.0), Event("vgpu:1", "B", 1, 1, 5.0, 7.0),
+              Event("vgpu:0", "B", 0, 0, 5.0, 7.0), Event("vgpu:0", "B", 0, 1, 7.0, 9.0)]:
+        t.add(e)
+    return t
+
+
+def test_derived_figures():
+    t = two_device_gpipe()
+    assert t.makespan == 9.0
+    assert t.busy("vgpu:0") == 6.0 and t.busy("vgpu:1") == 6.0
+    assert t.idle("vgpu:0") == 3.0
+    assert t.bubble_fraction == pytest.approx(1 - 12 / 18)
+    assert t.bytes_moved == 100 and len(t.transfers()) == 1
+    assert [e.label for e in t.compute("vgpu:1")] == ["1F0", "1F1", "1B0", "1B1"]
+
+
+def test_summary_and_round_trip():
+    t = two_device_gpipe()
+    text = t.summary()
+    assert "makespan 9000.0 ms, bubble 33.3%" in text
+    assert "vgpu:0: busy   6000.0 ms (67%)  0F0 0F1 0B0 0B1" in text
+    assert Timeline.from_dict(t.to_dict()).events == t.events
+
+
+def test_empty_timeline_has_no_bubble():
+    assert Timeline(["vgpu:0"]).bubble_fraction == 0.0
