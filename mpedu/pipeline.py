@@ -5,6 +5,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, wait
+from dataclasses import dataclass
 
 import torch
 
@@ -94,7 +95,7 @@ class Pipeline:
     """
 
     def __init__(self, model, placement: Placement | str | dict | int = 2, schedule: str | Schedule = "gpipe",
-                 micro_batches: int = 4):
+                 micro_batches: int = 4, chunks: int = 1):
         self.model = model
         self.placement = _as_placement(placement, model)
         if model.config.tie_weights:
@@ -110,17 +111,20 @@ class Pipeline:
                                  f"{list(schedule.stage_devices)}, but this placement gives {stage_devices}")
             self.schedule = schedule.validate()
         else:
-            self.schedule = schedules.make(schedule, stage_devices, micro_batches)
+            self.schedule = schedules.make(schedule, stage_devices, micro_batches, chunks)
         self.micro_batches = self.schedule.micro_batches
+        self.chunks = self.schedule.chunks
         self.devices: list[Device] = self.placement.devices
         runs = self.placement.stages
         self.stages = []
         for s, (dev, names) in enumerate(runs):
             layers = [model.layers[name].to(dev.torch_device) for name in names]
             self.stages.append(Stage(s, names, layers, dev, is_last=s == len(runs) - 1))
-        # Forward-only order for eval_step: GPipe's fill order, without backwards.
-        fill = schedules.gpipe(stage_devices, self.micro_batches)
+        # Forward-only order for eval_step: the fill order (GPipe's, or the wavefront's), no backwards.
+        fill = (schedules.wavefront(stage_devices, self.micro_batches, self.chunks) if self.chunks > 1
+                else schedules.gpipe(stage_devices, self.micro_batches))
         self._eval_actions = [[a for a in row if a.kind == "F"] for row in fill.actions]
+        self.bucket_cache: dict[tuple[int, int], BucketPlan] = {}
         self._workers = [Worker(dev) for dev in self.devices]
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         self._carry_shape = None
@@ -144,6 +148,23 @@ class Pipeline:
         self.model.eval()
         return self._step(batch, self._eval_actions, train=False)
 
+    def _plan(self, batch) -> "BucketPlan":
+        """The shape-specific part of a step, made once per bucket shape (MXNet built one
+        executor per bucket): micro-batch size and time-chunk boundaries."""
+        T, B = batch.inputs.shape
+        plan = self.bucket_cache.get((T, B))
+        if plan is None:
+            if B % self.micro_batches:
+                batch.split(self.micro_batches)   # raises the explanatory error
+            if T < self.chunks:
+                raise ValueError(f"chunks={self.chunks} but this batch has only T={T} time steps; "
+                                 f"use at most {T} chunks or longer buckets")
+            edges = [round(k * T / self.chunks) for k in range(self.chunks + 1)]
+            plan = BucketPlan(T, B, B // self.micro_batches, list(zip(edges, edges[1:])))
+            self.bucket_cache[T, B] = plan
+        plan.steps += 1
+        return plan
+
     def reset_state(self) -> None:
         """Forget carried recurrent state (stream mode)."""
         self._carry_shape = None
@@ -166,7 +187,9 @@ class Pipeline:
     def _step(self, batch, actions: list[list[Action]], train: bool) -> StepResult:
         if not self._finalizer.alive:
             raise RuntimeError("this Pipeline is closed; build a new one")
-        micro = batch.split(self.micro_batches)
+        plan = self._plan(batch)
+        micro = [[(mb.inputs[lo:hi], mb.targets[lo:hi]) for lo, hi in plan.chunk_bounds]
+                 for mb in batch.split(self.micro_batches)]
         tokens = int(batch.tokens)
         if tokens == 0:
             raise ValueError("the batch has no real (non-padding) target tokens")
@@ -219,7 +242,7 @@ class Pipeline:
                 ready = torch.cuda.Event()
                 ready.record()
             end = clock.mark()
-            marks.append(("send", src, a, start, end, _nbytes(tensor), stages[dst].device.name))
+            marks.append(("send", src, a, start, end, _nbytes(tensor), stages[dst].device.name, 0))
             mailbox.put((kind, dst, a.mb, a.chunk), (moved, ready))
 
         def receive(kind, a: Action):
@@ -238,33 +261,53 @@ class Pipeline:
                     if mailbox.aborted:
                         raise _Aborted
                     stage = stages[a.stage]
-                    mb = micro[a.mb]
+                    inputs, targets = micro[a.mb][a.chunk]          # (t, b) slices of the batch
                     if a.kind == "F":
-                        x = mb.inputs.to(device.torch_device) if a.stage == 0 else receive("act", a)
-                        targets = mb.targets.to(device.torch_device) if a.stage == last else None
+                        x = inputs.to(device.torch_device) if a.stage == 0 else receive("act", a)
+                        targets = targets.to(device.torch_device) if a.stage == last else None
                         start = clock.mark()
                         out = stage.forward(a.mb, a.chunk, x, targets, scale, train=train)
-                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, ""))
+                        held = stage.saved_bytes(a.mb, a.chunk)
+                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, "", held))
                         if a.stage < last:
                             send(out, "act", a.stage, a.stage + 1, a, clock, marks)
                     elif a.kind == "B":
                         grad = receive("grad", a) if a.stage < last else None
+                        held = stage.saved_bytes(a.mb, a.chunk) if a.stage not in split else 0
                         start = clock.mark()
                         grad_in = stage.backward(a.mb, a.chunk, grad, weights=a.stage not in split)
-                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, ""))
+                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, "", -held))
                         if a.stage > 0:
                             send(grad_in, "grad", a.stage, a.stage - 1, a, clock, marks)
                     else:
+                        held = stage.saved_bytes(a.mb, a.chunk)
                         start = clock.mark()
                         stage.backward_weight(a.mb, a.chunk)
-                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, ""))
+                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, "", -held))
             finally:
                 if device.is_cuda:
                     torch.cuda.current_stream().synchronize()
-                for kind, s, a, start, end, nbytes, peer in marks:
+                for kind, s, a, start, end, nbytes, peer, memory in marks:
                     timeline.add(Event(device.name, kind, s, a.mb, clock.seconds(start), clock.seconds(end),
-                                       a.chunk, nbytes, peer))
+                                       a.chunk, nbytes, peer, memory))
         return job
+
+
+@dataclass
+class BucketPlan:
+    """What a pipeline prepared for one batch shape (T, B): every micro-batch of the bucket
+    has shape (T, micro_batch) through all stages, cut in time at `chunk_bounds`."""
+
+    T: int
+    B: int
+    micro_batch: int
+    chunk_bounds: list[tuple[int, int]]
+    steps: int = 0      # how many steps used this plan
+
+    def __str__(self) -> str:
+        chunks = ", ".join(f"[{lo}:{hi})" for lo, hi in self.chunk_bounds)
+        return (f"bucket T={self.T}, B={self.B}: micro-batches of {self.micro_batch}, "
+                f"time chunks {chunks}, used {self.steps}x")
 
 
 def _as_placement(placement, model) -> Placement:

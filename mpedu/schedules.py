@@ -140,11 +140,14 @@ class Schedule:
     # -- printing -----------------------------------------------------------------
     def grid(self, mark: Action | None = None) -> str:
         """Device x step table; `mark` gets '<-- ERROR HERE' on its row."""
-        width = max([len(str(a)) for row in self.actions for a in row] + [3])
+        def text(a: Action) -> str:  # with time chunks, always show the chunk
+            return f"{a}.0" if self.chunks > 1 and a.chunk == 0 else str(a)
+
+        width = max([len(text(a)) for row in self.actions for a in row] + [3])
         steps = max((len(row) for row in self.actions), default=0)
         lines = [f"{'step':>8} " + " ".join(f"{k:>{width}}" for k in range(steps))]
         for d, row in enumerate(self.actions):
-            cells = " ".join(f"{str(a):>{width}}" for a in row)
+            cells = " ".join(f"{text(a):>{width}}" for a in row)
             flag = "  <-- ERROR HERE" if mark is not None and mark in row else ""
             lines.append(f"{'dev ' + str(d):>8} {cells}{flag}")
         return "\n".join(lines)
@@ -326,17 +329,43 @@ def zb1(stage_devices, m: int) -> Schedule:
     return Schedule("zb1", tuple(stage_devices), m, rows, split_backward=frozenset(range(n)))
 
 
+def wavefront(stage_devices, m: int, chunks: int = 2) -> Schedule:
+    """Pipelining along time: each micro-batch's sequence is cut into `chunks` time
+    chunks, and stage s works on chunk c while stage s+1 works on chunk c-1.
+
+    The unit of work is (micro-batch i, chunk c). Forwards go through the units in
+    order like GPipe's fill (chunk c after chunk c-1: it needs that chunk's (h, c)
+    state); backwards drain them with the chunks reversed, because chunk c's
+    backward needs the state gradient from chunk c+1 (backpropagation through time).
+    Clock table for n = 2 stages, m = 1, 3 chunks:
+        tick     0     1     2     3   | 4     5     6     7
+        stage 0  F0.0  F0.1  F0.2      |       B0.2  B0.1  B0.0
+        stage 1        F0.0  F0.1  F0.2| B0.2  B0.1  B0.0
+    """
+    n = len(stage_devices)
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a whole number >= 1, got {chunks!r}")
+    units = [(i, c) for i in range(m) for c in range(chunks)]
+    fwd = sorted((u + s, s, u) for s in range(n) for u in range(len(units)))
+    # backward units: micro-batches in order, chunks from last to first
+    back_units = [(i, c) for i in range(m) for c in reversed(range(chunks))]
+    bwd = sorted((v + (n - 1 - s), n - 1 - s, v) for s in range(n) for v in range(len(back_units)))
+    order = [F(s, *units[u]) for _, s, u in fwd] + [B(n - 1 - r, *back_units[v]) for _, r, v in bwd]
+    return Schedule("wavefront", tuple(stage_devices), m, _by_device(order, stage_devices), chunks=chunks)
+
+
 GENERATORS: dict[str, Callable[..., Schedule]] = {
     "naive": naive,
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "zb1": zb1,
+    "wavefront": wavefront,
 }
 
 
-def make(name: str, stage_devices, m: int) -> Schedule:
-    """Build and validate the named schedule."""
+def make(name: str, stage_devices, m: int, chunks: int = 1) -> Schedule:
+    """Build and validate the named schedule (`chunks` > 1: time chunks, wavefront only)."""
     key = name.lower().replace("-", "").replace("_", "")
     aliases = {"1f1b": "1f1b", "onefoneb": "1f1b", "zb": "zb1", "zbh1": "zb1", "zerobubble": "zb1"}
     key = aliases.get(key, key)
@@ -344,4 +373,9 @@ def make(name: str, stage_devices, m: int) -> Schedule:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(GENERATORS)}")
     if not isinstance(m, int) or m < 1:
         raise ValueError(f"micro_batches must be a whole number >= 1, got {m!r}")
+    if key == "wavefront":
+        return wavefront(list(stage_devices), m, chunks).validate()
+    if chunks != 1:
+        raise ValueError(f"chunks={chunks}: only the 'wavefront' schedule pipelines along time; "
+                         f"use schedule='wavefront' or chunks=1")
     return GENERATORS[key](list(stage_devices), m).validate()

@@ -29,6 +29,7 @@ class _Saved:
     state_in: list[torch.Tensor] = field(default_factory=list)   # leaves: state from chunk c-1
     state_out: list[torch.Tensor] = field(default_factory=list)  # state handed to chunk c+1
     grads: list | None = None                 # kept by B for W: (outputs, grad_outputs)
+    saved_bytes: int = 0                      # activations autograd keeps for backward
 
 
 class Stage:
@@ -43,6 +44,7 @@ class Stage:
         self.is_first = index == 0
         self.is_last = is_last
         self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        self._param_storages = {p.untyped_storage().data_ptr() for p in self.params}
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.state: dict[int, dict] = {}        # micro-batch -> per-layer (h, c) after its latest chunk
         self.state_grad: dict[tuple[int, int], list[torch.Tensor | None]] = {}
@@ -68,9 +70,24 @@ class Stage:
                 return self._run(mb, chunk, x, targets, scale, train=False)[0]
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)     # boundary: backward stops here
-        out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
-        self.saved[mb, chunk] = _Saved(x if x.requires_grad else None, out, state_in, state_out)
+        storages: dict[int, int] = {}
+
+        def pack(t):  # count each activation storage autograd keeps (weights are not activations)
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._param_storages:
+                storages[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
+        self.saved[mb, chunk] = _Saved(x if x.requires_grad else None, out, state_in, state_out,
+                                       saved_bytes=sum(storages.values()))
         return out
+
+    def saved_bytes(self, mb: int, chunk: int = 0) -> int:
+        """Activation bytes held for the backward of (mb, chunk); 0 once it has run."""
+        saved = self.saved.get((mb, chunk))
+        return saved.saved_bytes if saved is not None else 0
 
     def _run(self, mb, chunk, x, targets, scale, train):
         previous = self.state.get(mb, {})

@@ -22,6 +22,7 @@ class Event:
     chunk: int = 0
     bytes: int = 0
     peer: str = ""
+    memory: int = 0     # change in activation bytes the device holds: + after F, - when B or W frees them
 
     @property
     def duration(self) -> float:
@@ -75,6 +76,18 @@ class Timeline:
         if span <= 0:
             return 0.0
         return 1.0 - sum(self.busy(d) for d in self.devices) / (len(self.devices) * span)
+
+    def memory_over_time(self, device: str) -> list[tuple[float, int]]:
+        """(time, activation bytes held) after each change on the device, starting at (0, 0)."""
+        held, points = 0, [(0.0, 0)]
+        for e in sorted((e for e in self.events if e.device == device and e.memory), key=lambda e: e.end):
+            held += e.memory
+            points.append((e.end, held))
+        return points
+
+    def peak_memory(self, device: str) -> int:
+        """Most activation bytes the device held at once during the step."""
+        return max(b for _, b in self.memory_over_time(device))
 
     @property
     def bytes_moved(self) -> int:

@@ -170,3 +170,30 @@ def test_wavefront_dependencies_follow_bptt():
     assert set(s.dependencies(F(1, 0, 2))) == {F(0, 0, 2), F(1, 0, 1)}
     assert set(s.dependencies(B(0, 0, 1))) == {F(0, 0, 1), B(1, 0, 1), B(0, 0, 2)}
     assert set(s.dependencies(B(1, 0, 2))) == {F(1, 0, 2)}
+
+
+def test_wavefront_walks_the_diagonal_and_reverses_chunks_in_backward():
+    s = make("wavefront", [0, 1], 1, chunks=3)
+    assert table(s) == [
+        "0F0 0F0.1 0F0.2 0B0.2 0B0.1 0B0",
+        "1F0 1F0.1 1F0.2 1B0.2 1B0.1 1B0",
+    ]
+    played = {a: (start, end) for _, a, start, end in run_order(s)}
+    assert played[F(1, 0, 0)][0] == played[F(0, 0, 1)][0], "stage 1 works on chunk 0 while stage 0 does chunk 1"
+    # with micro-batches too: a 2-D grid of (micro-batch, chunk) units
+    assert table(make("wavefront", [0, 1], 2, chunks=2)) == [
+        "0F0 0F0.1 0F1 0F1.1 0B0.1 0B0 0B1.1 0B1",
+        "1F0 1F0.1 1F1 1F1.1 1B0.1 1B0 1B1.1 1B1",
+    ]
+    assert "0F0.0" in s.grid(), "with time chunks the grid always names the chunk"
+    with pytest.raises(ValueError, match="only the 'wavefront' schedule pipelines along time"):
+        make("gpipe", [0, 1], 2, chunks=2)
+
+
+@pytest.mark.parametrize("p,c", [(2, 2), (2, 8), (4, 8)])
+def test_wavefront_speedup_over_naive_with_equal_costs(p, c):
+    """One batch, no micro-batching: the diagonal overlaps stages; naive keeps one busy."""
+    _, naive_span = _bubble(make("naive", list(range(p)), 1))
+    _, wave_span = _bubble(make("wavefront", list(range(p)), 1, chunks=c), f=1 / c, b=2 / c)
+    assert wave_span == pytest.approx(3 * (c + p - 1) / c)
+    assert naive_span / wave_span == pytest.approx(p * c / (c + p - 1))
