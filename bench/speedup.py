@@ -23,11 +23,11 @@ from mpedu.pipeline import Pipeline  # noqa: E402
 from mpedu.placement import Placement  # noqa: E402
 
 VOCAB, T, B, M = 2000, 35, 64, 8
-CONFIG = LMConfig(embed_size=256, hidden_size=256, num_layers=4)
+CONFIG = LMConfig(embed_size=256, hidden_size=256, num_layers=3)   # 3 LSTM + decode split 2|2
 
 
 class PlainLM(nn.Module):
-    """The same network as one PyTorch module: embedding, one 4-layer LSTM, linear."""
+    """The same network as one PyTorch module: embedding, one 3-layer LSTM, linear."""
 
     def __init__(self):
         super().__init__()

@@ -25,32 +25,43 @@ class _Aborted(Exception):
 class _Mailbox:
     """Tensors in flight between stages, keyed by (what, stage, micro-batch, chunk).
 
-    A receive waits until the tensor arrives or the step is aborted, so a failure
-    anywhere wakes everyone up and no worker stays blocked.
+    A receive waits until its tensor arrives or the step is aborted, so a failure
+    anywhere wakes everyone up and no worker stays blocked. Each waiting receive has
+    its own Event, so a send wakes exactly the one device that waits for it.
     """
 
     def __init__(self):
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._items: dict = {}
+        self._waiting: dict = {}
         self.aborted = False
 
     def put(self, key, value) -> None:
-        with self._cv:
+        with self._lock:
             self._items[key] = value
-            self._cv.notify_all()
+            waiter = self._waiting.pop(key, None)
+        if waiter is not None:
+            waiter.set()
 
     def get(self, key):
-        with self._cv:
-            while key not in self._items:
-                if self.aborted:
-                    raise _Aborted
-                self._cv.wait()
-            return self._items.pop(key)
+        with self._lock:
+            if key in self._items:
+                return self._items.pop(key)
+            if self.aborted:
+                raise _Aborted
+            waiter = self._waiting[key] = threading.Event()
+        waiter.wait()
+        with self._lock:
+            if key in self._items:
+                return self._items.pop(key)
+        raise _Aborted
 
     def abort(self) -> None:
-        with self._cv:
+        with self._lock:
             self.aborted = True
-            self._cv.notify_all()
+            waiters, self._waiting = list(self._waiting.values()), {}
+        for waiter in waiters:
+            waiter.set()
 
 
 class _Clock:
