@@ -1,8 +1,9 @@
-"""What every device did and when: actions and transfers, with derived bubble and idle time."""
+"""What every device did and when: actions and transfers, with derived bubble and idle time, pictures and traces."""
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,85 @@ class Timeline:
     def to_json(self, path) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f)
+
+    # -- pictures and traces --------------------------------------------------------
+    def plot(self, ax=None, *, title=None, time_unit="ms", show_transfers=True, xlim=None):
+        """A Gantt chart: a row per device (device 0 on top), a box per action labelled with its
+        micro-batch, coloured by kind; grey where the device sits idle; transfers as arrows.
+
+        Returns the matplotlib Axes (its `.figure` displays in Jupyter). `xlim` is in `time_unit`.
+        """
+        from .plot import plot_timeline   # matplotlib only when a picture is asked for
+        return plot_timeline(self, ax, title=title, time_unit=time_unit, show_transfers=show_transfers,
+                             xlim=xlim)
+
+    def chrome_trace(self) -> dict:
+        """The timeline in the Trace Event Format that Perfetto (ui.perfetto.dev) and chrome://tracing open.
+
+        One process, one track per device; actions and sends are complete ("X") events, each
+        send also a flow arrow to the receiving track; activation memory is a counter per device.
+        """
+        us = 1e6   # the format counts microseconds
+        tid = {d: i for i, d in enumerate(self.devices)}
+        events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0,
+                               "args": {"name": f"mpedu step ({self.source})"}}]
+        for d, i in tid.items():
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": d}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": i, "args": {"sort_index": i}})
+        for n, e in enumerate(sorted(self.events, key=lambda e: e.start)):
+            where = f"mb{e.mb} s{e.stage}" + (f" c{e.chunk}" if e.chunk else "")
+            args = {"stage": e.stage, "mb": e.mb, "chunk": e.chunk, "bytes": e.bytes, "memory_change": e.memory}
+            name = f"{e.kind} {where}"
+            if e.kind == "send":
+                name, args["to"] = f"send {where} -> {e.peer}", e.peer
+            events.append({"ph": "X", "name": name, "cat": e.kind, "pid": 0, "tid": tid[e.device],
+                           "ts": e.start * us, "dur": e.duration * us, "args": args})
+            if e.kind == "send" and e.peer in tid:
+                # an arrow from the send slice to the action that used the data; if that action
+                # is not in the timeline, to whatever the receiver starts next after the arrival
+                flow = {"name": "transfer", "cat": "transfer", "pid": 0, "id": n}
+                events.append({**flow, "ph": "s", "tid": tid[e.device], "ts": e.start * us})
+                used = self._receiver(e)
+                land = {"bp": "e", "ts": (used.start + used.duration / 2) * us} if used else {"ts": e.end * us}
+                events.append({**flow, "ph": "f", "tid": tid[e.peer], **land})
+        for d in self.devices:
+            for t, held in self.memory_over_time(d):
+                events.append({"ph": "C", "name": f"{d} activations", "pid": 0, "tid": tid[d], "ts": t * us,
+                               "args": {"bytes": held}})
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"source": self.source, "makespan_s": self.makespan,
+                              "bubble_fraction": self.bubble_fraction}}
+
+    def _receiver(self, send: Event) -> Event | None:
+        """The action a send fed: after F(s, i) the next stage's F(s+1, i); after B(s, i), B(s-1, i)."""
+        made = [e for e in self.compute(send.device) if (e.stage, e.mb, e.chunk) == (send.stage, send.mb, send.chunk)
+                and e.end <= send.start and e.kind in "FB"]
+        if not made:
+            return None
+        kind = made[-1].kind
+        stage = send.stage + 1 if kind == "F" else send.stage - 1
+        return next((e for e in self.compute(send.peer)
+                     if (e.kind, e.stage, e.mb, e.chunk) == (kind, stage, send.mb, send.chunk)), None)
+
+    def to_chrome_trace(self, path) -> None:
+        """Write `chrome_trace()` as JSON to `path`: open it at ui.perfetto.dev or chrome://tracing."""
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+
+    def save(self, out_dir, stem: str = "step") -> list[Path]:
+        """Write <stem>.png (the Gantt chart), <stem>.json (Chrome trace) and <stem>.timeline.json
+        (this timeline, for `Timeline.from_dict`) into out_dir; return the three paths."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = [out / f"{stem}.png", out / f"{stem}.json", out / f"{stem}.timeline.json"]
+        self.plot().figure.savefig(paths[0], dpi=120)
+        self.to_chrome_trace(paths[1])
+        self.to_json(paths[2])
+        return paths
+
+
+def plot_timelines(timelines: list[Timeline], titles=None, shared_axis: bool = True):
+    """Timelines stacked one above the other (e.g. predicted and measured), sharing one time axis
+    unless shared_axis=False. Returns the matplotlib Figure."""
+    from .plot import plot_timelines as plot
+    return plot(timelines, titles=titles, shared_axis=shared_axis)

@@ -1,0 +1,89 @@
+"""Memory per device: parameters, gradients, optimizer state and saved activations of a pipeline step."""
+import pytest
+import torch
+from matplotlib.patches import Rectangle
+
+from conftest import make_batch, tiny_model
+from mpedu.memory import memory_report
+from mpedu.pipeline import Pipeline
+
+BALANCED = "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1"
+
+
+def nbytes(params):
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def step(schedule, m=4, B=8, placement=BALANCED, model=None, optimizer=None):
+    model = model if model is not None else tiny_model()
+    with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
+        timeline = pipe.train_step(make_batch(B=B)).timeline
+        opt = optimizer(model) if optimizer else None
+        return model, pipe, timeline, memory_report(pipe, timeline, opt)
+
+
+def test_gpipe_peaks_at_m_micro_batches_of_activations_1f1b_at_p():
+    """The known difference, through the report: on the first device GPipe holds all m = 8
+    micro-batches' activations before the first backward; 1F1B never more than p = 2."""
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        _, _, timeline, report = step(schedule, m=8, B=16)
+        one_mb = max(e.memory for e in timeline.compute("vgpu:0"))
+        peaks[schedule] = report["vgpu:0"].peak_activations / one_mb
+        assert report["vgpu:0"].activations == timeline.memory_over_time("vgpu:0")
+        assert report["vgpu:0"].activations[-1][1] == 0, "all activations are freed by the end of the step"
+    assert peaks["gpipe"] == pytest.approx(8, rel=0.15)
+    assert peaks["1f1b"] == pytest.approx(2, rel=0.15)
+
+
+def test_parameters_and_gradients_are_counted_on_the_device_that_holds_them():
+    model, pipe, _, report = step("gpipe", optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    layers = model.layers
+    first = nbytes(p for name in ("embed", "lstm0") for p in layers[name].parameters())
+    assert report["vgpu:0"].params == report["vgpu:0"].grads == first
+    assert sum(d.params for d in report.devices) == nbytes(model.parameters())
+    assert [d.optimizer for d in report.devices] == [0, 0], "plain SGD keeps no state"
+    assert report["vgpu:1"].total == 2 * report["vgpu:1"].params + report["vgpu:1"].peak_activations
+
+
+def test_tied_weights_are_counted_once():
+    model = tiny_model(embed_size=64, tie_weights=True)
+    _, _, _, report = step("gpipe", placement="embed,lstm0-2,decode:vgpu0", model=model)
+    assert report["vgpu:0"].params == nbytes(model.parameters())   # parameters() yields a shared one once
+
+
+@pytest.mark.parametrize("make,per_param", [
+    (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), 1),   # a momentum buffer
+    (lambda m: torch.optim.Adam(m.parameters()), 2),                         # two moment estimates
+])
+def test_optimizer_state_before_and_after_its_first_step(make, per_param):
+    model, pipe, timeline, before = step("1f1b", optimizer=make)
+    assert [d.optimizer for d in before.devices] == [per_param * d.params for d in before.devices]
+    assert "has not stepped yet" in before.table()
+    optimizer = make(model)
+    optimizer.step()                                 # now torch has made the state: measured, not worked out
+    after = memory_report(pipe, timeline, optimizer)
+    for b, a in zip(before.devices, after.devices):
+        assert a.optimizer == pytest.approx(b.optimizer, rel=0.01)   # Adam also keeps a scalar step count
+    assert "has not stepped yet" not in after.table()
+
+
+def test_table_and_pictures():
+    _, _, _, report = step("gpipe", optimizer=lambda m: torch.optim.Adam(m.parameters()))
+    text = report.table()
+    assert text.splitlines()[0] in ("memory per device (kB)", "memory per device (MB)")
+    assert "parameters" in text and "gradients" in text and "optimizer state" in text and "activations (peak)" in text
+    assert [line.split()[0] for line in text.splitlines()[2:4]] == ["vgpu:0", "vgpu:1"]
+    ax = report.plot()
+    bars = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(bars) == 4 * 2, "four parts stacked on each of the two devices"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["vgpu:0", "vgpu:1"]
+    scale = 1e3 if "(kB)" in ax.get_ylabel() else 1e6
+    tops = [max(p.get_y() + p.get_height() for p in bars if round(p.get_x() + p.get_width() / 2) == i)
+            for i in range(2)]
+    assert tops == pytest.approx([d.total / scale for d in report.devices])
+    over_time = report.plot_over_time()
+    lines = over_time.get_lines()
+    assert [line.get_label() for line in lines] == ["vgpu:0", "vgpu:1"]
+    scale = 1e3 if "(kB)" in over_time.get_ylabel() else 1e6
+    assert max(lines[0].get_ydata()) * scale == pytest.approx(report["vgpu:0"].peak_activations, rel=1e-6)
