@@ -1,0 +1,293 @@
+"""Measure each layer's forward and backward time and memory on a device: the simulator's cost model."""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+from .devices import Worker, get_device
+from .model import nll_sum
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage costs per micro-batch (seconds, bytes). Plain numbers are fine:
+    `StageCost(1.0)` is the textbook unit stage, F = 1, B + W = 2, B = W = 1.
+
+    backward is the fused backward (input and weight gradients in one pass, what
+    a stage outside a zero-bubble schedule runs); backward_input (B) and
+    backward_weight (W) are the two halves a zero-bubble schedule runs apart.
+    They need not add up to backward: on CPU an LSTM's backward kernel computes
+    both gradients whichever is asked for, so B and W each cost about a full backward.
+    """
+
+    forward: float
+    backward: float | None = None          # default 2 x forward
+    backward_input: float | None = None    # default backward / 2
+    backward_weight: float | None = None   # default backward / 2
+    output_bytes: int = 0                  # activation sent to the next stage (its gradient comes back)
+    activation_bytes: int = 0              # what autograd keeps per micro-batch until the backward
+    param_bytes: int = 0
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.forward < 0:
+            raise ValueError(f"a stage cannot take negative time: forward={self.forward}")
+        if self.backward is None:
+            object.__setattr__(self, "backward", 2.0 * self.forward)
+        for half in ("backward_input", "backward_weight"):
+            if getattr(self, half) is None:
+                object.__setattr__(self, half, self.backward / 2)
+
+
+@dataclass
+class Costs:
+    """Per-layer costs of one micro-batch, measured by `profile` on one device.
+
+    Times are medians in seconds; bytes are per micro-batch. `shared_bytes[l]` is
+    what layer l and layer l-1 both save (l's input is l-1's output): counted once
+    when the two layers sit in one stage.
+    """
+
+    names: list[str]
+    forward: list[float]
+    backward: list[float]
+    backward_input: list[float]
+    backward_weight: list[float]
+    activation_bytes: list[int]
+    output_bytes: list[int]
+    param_bytes: list[int]
+    shared_bytes: list[int]
+    micro_batch: tuple[int, int]     # (T, b)
+    device: str = "vgpu:0"
+
+    def __post_init__(self):
+        self.micro_batch = tuple(self.micro_batch)
+
+    def stages(self, placement) -> list[StageCost]:
+        """One StageCost per stage of a Placement (or of a list of layer-name lists).
+
+        F and the fused backward add up over the stage's layers. B (input gradient)
+        is zero on a stage whose input is token ids (nothing to send back). W
+        re-walks the stage's graph from its output to reach every weight, so every
+        layer but the first runs its full backward again: W = W(first) + sum of the rest.
+        """
+        groups = [names for _, names in placement.stages] if hasattr(placement, "stages") else placement
+        index = {name: k for k, name in enumerate(self.names)}
+        out = []
+        for s, names in enumerate(groups):
+            missing = [n for n in names if n not in index]
+            if missing:
+                raise ValueError(f"layer {missing[0]!r} was not profiled; these costs cover {', '.join(self.names)}")
+            ks = [index[n] for n in names]
+            if ks != list(range(ks[0], ks[0] + len(ks))):
+                raise ValueError(f"stage {s} ({', '.join(names)}) is not a run of consecutive layers")
+            first, rest = ks[0], ks[1:]
+            out.append(StageCost(
+                forward=sum(self.forward[k] for k in ks),
+                backward=sum(self.backward[k] for k in ks),
+                backward_input=0.0 if first == 0 else sum(self.backward_input[k] for k in ks),
+                backward_weight=self.backward_weight[first] + sum(self.backward[k] for k in rest),
+                output_bytes=self.output_bytes[ks[-1]],
+                activation_bytes=sum(self.activation_bytes[k] for k in ks) - sum(self.shared_bytes[k] for k in rest),
+                param_bytes=sum(self.param_bytes[k] for k in ks),
+                names=tuple(names)))
+        return out
+
+    def table(self) -> str:
+        """A text table: one row per layer (ms and MB per micro-batch), then the totals."""
+        T, b = self.micro_batch
+        head = (f"{'layer':<8}{'F ms':>8}{'B+W ms':>8}{'B ms':>8}{'W ms':>8}"
+                f"{'act MB':>9}{'out MB':>9}{'param MB':>9}")
+        rows = [f"costs of one micro-batch (T={T}, b={b}) on {self.device}", head]
+        for k, name in enumerate(self.names):
+            rows.append(f"{name:<8}{self.forward[k] * 1e3:>8.2f}{self.backward[k] * 1e3:>8.2f}"
+                        f"{self.backward_input[k] * 1e3:>8.2f}{self.backward_weight[k] * 1e3:>8.2f}"
+                        f"{self.activation_bytes[k] / 1e6:>9.2f}{self.output_bytes[k] / 1e6:>9.2f}"
+                        f"{self.param_bytes[k] / 1e6:>9.2f}")
+        rows.append(f"{'total':<8}{sum(self.forward) * 1e3:>8.2f}{sum(self.backward) * 1e3:>8.2f}"
+                    f"{sum(self.backward_input) * 1e3:>8.2f}{sum(self.backward_weight) * 1e3:>8.2f}"
+                    f"{(sum(self.activation_bytes) - sum(self.shared_bytes)) / 1e6:>9.2f}{'':>9}"
+                    f"{sum(self.param_bytes) / 1e6:>9.2f}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def median(cls, runs: list["Costs"]) -> "Costs":
+        """Element-wise median of several profiles of one model (steadier when the machine is busy)."""
+        if not runs or any(r.names != runs[0].names for r in runs):
+            raise ValueError("Costs.median needs one or more profiles of the same layers")
+        d = runs[0].to_dict()
+        for key in ("forward", "backward", "backward_input", "backward_weight"):
+            d[key] = [statistics.median(getattr(r, key)[k] for r in runs) for k in range(len(runs[0].names))]
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Costs":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown Costs fields {sorted(unknown)}; expected {sorted(known)}")
+        return cls(**d)
+
+
+def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int = 2, repeats: int = 5) -> Costs:
+    """Time and weigh every layer of `model` on one micro-batch of `batch`, on `device`.
+
+    The layers run on the device's own worker (single-threaded on a virtual device,
+    like in a Pipeline), each as a one-layer stage would: input detached at the
+    boundary, the last layer including the loss. Layers are moved to the device.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    dev = get_device(device)
+    micro = batch.split(micro_batches)[0]
+    layers = [model.layers[name].to(dev.torch_device) for name in model.layer_names]
+    worker = Worker(dev)
+    was_training = model.training
+    grads = {p: p.grad for p in model.parameters()}    # profiling must not touch accumulated gradients
+    for p in grads:
+        p.grad = None                                   # (backward would add into them in place)
+    model.train()
+    try:
+        measured = worker.submit(lambda: _measure(layers, micro, dev, warmup, repeats)).result()
+    finally:
+        worker.stop()
+        model.train(was_training)
+        for p, g in grads.items():
+            p.grad = g
+    return Costs(model.layer_names, *measured, micro_batch=tuple(micro.inputs.shape), device=dev.name)
+
+
+def _measure(layers, micro, dev, warmup, repeats):
+    """Runs on the device's worker. Dropout draws random numbers: put the generator back after."""
+    with torch.random.fork_rng(devices=[dev.torch_device.index or 0] if dev.is_cuda else []):
+        return _measure_layers(layers, micro, dev, warmup, repeats)
+
+
+def _measure_layers(layers, micro, dev, warmup, repeats):
+    """Inputs per layer, saved bytes, then the timings."""
+    tokens = micro.inputs.to(dev.torch_device)          # (T, b)
+    targets = micro.targets.to(dev.torch_device)
+    scale = 1.0 / max(int(micro.tokens), 1)
+    last = len(layers) - 1
+
+    def sync():
+        if dev.is_cuda:
+            torch.cuda.synchronize(dev.torch_device)
+
+    def forward(k, x):
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)         # the boundary, as in a Stage
+        y, _ = layers[k](x)
+        if k == last:
+            y = nll_sum(y, targets) * scale
+        return x, y
+
+    # One forward pass: every layer's input, output size and saved storages.
+    inputs, saved, output_bytes = [], [], []
+    params = {p.untyped_storage().data_ptr() for layer in layers for p in layer.parameters()}
+    x = tokens
+    for k in range(len(layers)):
+        storages: dict[int, int] = {}
+
+        def pack(t, storages=storages):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:                       # weights are param_bytes, not activations
+                storages[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        inputs.append(x)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _, y = forward(k, x)
+        saved.append(storages)
+        output_bytes.append(0 if k == last else y.numel() * y.element_size())
+        x = y.detach()
+    shared = [0] + [sum(n for ptr, n in saved[k].items() if ptr in saved[k - 1]) for k in range(1, len(layers))]
+
+    times = {"F": [[] for _ in layers], "BW": [[] for _ in layers], "B": [[] for _ in layers],
+             "W": [[] for _ in layers]}
+    for r in range(warmup + repeats):
+        for k, layer in enumerate(layers):
+            weights = [p for p in layer.parameters() if p.requires_grad]
+            sync()
+            t0 = time.perf_counter()
+            x, y = forward(k, inputs[k])
+            sync()
+            t1 = time.perf_counter()
+            grad = None if k == last else torch.ones_like(y)
+            leaves = [x] if x.requires_grad else []
+            torch.autograd.backward([y], [grad], inputs=leaves + weights)   # fused B + W
+            sync()
+            t2 = time.perf_counter()
+            x, y = forward(k, inputs[k])
+            sync()
+            t3 = time.perf_counter()
+            if leaves := ([x] if x.requires_grad else []):                 # B: input gradient only
+                torch.autograd.grad([y], leaves, [grad], retain_graph=True)
+            sync()
+            t4 = time.perf_counter()
+            if weights:                                                     # W: weights only
+                torch.autograd.backward([y], [grad], inputs=weights)
+            sync()
+            t5 = time.perf_counter()
+            if r >= warmup:
+                b, w = (t4 - t3 if leaves else 0.0), (t5 - t4 if weights else 0.0)
+                for key, value in (("F", t1 - t0), ("BW", t2 - t1), ("B", b), ("W", w)):
+                    times[key][k].append(value)
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+    med = {key: [statistics.median(v) for v in per] for key, per in times.items()}
+    param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+    return (med["F"], med["BW"], med["B"], med["W"], [sum(s.values()) for s in saved], output_bytes,
+            param_bytes, shared)
+
+
+def measure_cores(n: int = 2, repeats: int = 3, model=None, batch=None) -> float:
+    """How many virtual devices' worth of work this machine does at once, now.
+
+    Times some work on one worker alone, then the same work on n workers together:
+    n x alone / together. About n on an idle machine with n cores (less when the
+    cores fight over memory bandwidth), nearer 1 when other work takes the cores.
+    The work is a copy of `model`'s forward and backward on `batch` (one
+    micro-batch: the pipeline's own work) or, without them, a 256-wide LSTM layer.
+    Pass the result as simulate(..., cores=...).
+    """
+    if n < 2:
+        raise ValueError(f"measure_cores needs n >= 2 workers to compare with one, got {n}")
+    if model is not None:
+        copies = [copy.deepcopy(model).train() for _ in range(n)]     # backward writes each copy's .grad
+        step = lambda m: nll_sum(m(batch.inputs)[0], batch.targets).backward()    # noqa: E731
+    else:
+        copies = [torch.nn.LSTM(256, 256) for _ in range(n)]
+        x = torch.randn(35, 8, 256)                                   # (T, b, H), like a micro-batch
+        step = lambda m: m(x)[0].sum().backward()                     # noqa: E731
+    workers = [Worker(get_device(f"vgpu:{k}")) for k in range(n)]
+
+    def job(m):
+        def run():
+            start = time.perf_counter()
+            for _ in range(2):
+                step(m)
+            return time.perf_counter() - start
+        return run
+
+    ratios = []
+    try:
+        workers[0].submit(job(copies[0])).result()         # warm-up
+        for _ in range(repeats):
+            alone = workers[0].submit(job(copies[0])).result()
+            together = max(f.result() for f in [w.submit(job(m)) for w, m in zip(workers, copies)])
+            ratios.append(min(n * alone / together, float(n)))
+    finally:
+        for w in workers:
+            w.stop()
+    return statistics.median(ratios)

@@ -1,0 +1,109 @@
+"""profile measures every layer on the device's worker: times, saved activations, sizes; Costs round-trips."""
+import json
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_batch, tiny_model
+from mpedu.placement import Placement
+from mpedu.profile import Costs, StageCost, profile
+
+
+class Square(nn.Module):
+    """x * x saves x twice (once per operand): the same storage must count once."""
+
+    def forward(self, x, state=None):
+        return x * x, None
+
+
+def test_profile_measures_every_layer_of_a_micro_batch():
+    model, batch = tiny_model(num_layers=2), make_batch(T=9, B=8)
+    costs = profile(model, batch, micro_batches=4, warmup=1, repeats=3)
+    assert costs.names == ["embed", "lstm0", "lstm1", "decode"]
+    assert costs.micro_batch == (9, 2) and costs.device == "vgpu:0"
+    assert all(t > 0 for t in costs.forward + costs.backward)
+    assert all(t > 0 for t in costs.backward_weight)
+    assert costs.backward_input[0] == 0.0                # token ids get no gradient
+    assert all(t > 0 for t in costs.backward_input[1:])
+    # (T, b, E=32) then (T, b, H=64) float32 cross each boundary; nothing after the loss
+    assert costs.output_bytes == [9 * 2 * 32 * 4, 9 * 2 * 64 * 4, 9 * 2 * 64 * 4, 0]
+    assert costs.param_bytes == [4 * sum(p.numel() for p in model.layers[n].parameters()) for n in costs.names]
+    assert costs.activation_bytes[0] == 9 * 2 * 8        # the embedding keeps only its int64 indices
+    for k in (1, 2):                                     # an LSTM keeps at least its input and output
+        assert costs.activation_bytes[k] >= costs.output_bytes[k - 1] + costs.output_bytes[k]
+    assert costs.shared_bytes[0] == 0 and costs.shared_bytes[2] >= costs.output_bytes[1]
+    assert all(p.grad is None for p in model.parameters()), "profiling left gradients behind"
+
+
+def test_saved_storages_count_once_and_weights_are_not_activations():
+    model = tiny_model(num_layers=2)
+    model.layers["lstm1"] = Square()
+    costs = profile(model, make_batch(T=9, B=8), micro_batches=2, warmup=0, repeats=1)
+    assert costs.activation_bytes[2] == 9 * 4 * 64 * 4   # x, once, though saved for both operands
+    assert costs.param_bytes[2] == 0 and costs.backward_weight[2] == 0.0
+
+
+def test_layers_run_on_the_devices_worker_single_threaded():
+    model = tiny_model(num_layers=1)
+    seen = []
+    model.layers["lstm0"].register_forward_hook(
+        lambda *_: seen.append((threading.current_thread().name, torch.get_num_threads())))
+    profile(model, make_batch(), device="vgpu:1", warmup=0, repeats=1)
+    assert seen and set(seen) == {("mpedu-vgpu:1", 1)}
+
+
+def test_existing_gradients_survive_profiling():
+    model, batch = tiny_model(num_layers=1), make_batch()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    profile(model, batch, warmup=0, repeats=1)
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
+
+
+def test_stage_costs_add_up_layers_and_round_trip():
+    names = ["embed", "lstm0", "lstm1", "decode"]
+    costs = Costs(names, [1.0, 2.0, 3.0, 4.0], [2.0, 4.0, 6.0, 8.0], [0.0, 3.0, 5.0, 6.0], [2.0, 3.5, 5.5, 4.0],
+                  [10, 100, 100, 50], [7, 8, 9, 0], [1, 2, 3, 4], [0, 5, 8, 8], (9, 2))
+    model = tiny_model(num_layers=2)
+    first, second = costs.stages(Placement.parse("embed,lstm0:vgpu0 | lstm1,decode:vgpu1", model))
+    assert first == StageCost(3.0, 6.0, 0.0, 2.0 + 4.0, 8, 110 - 5, 3, ("embed", "lstm0"))
+    # B: input gradients through both layers; W: lstm1's weights, after a full pass through decode
+    assert second == StageCost(7.0, 14.0, 11.0, 5.5 + 8.0, 0, 150 - 8, 7, ("lstm1", "decode"))
+    assert Costs.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
+    text = costs.table()
+    assert all(name in text for name in names) and "total" in text
+    with pytest.raises(ValueError, match="not a run of consecutive layers"):
+        costs.stages([["embed", "lstm1"], ["lstm0", "decode"]])
+    with pytest.raises(ValueError, match="'lstm7' was not profiled"):
+        costs.stages([["lstm7"]])
+
+
+def test_stage_cost_defaults_are_the_textbook_unit():
+    unit = StageCost(1.5)
+    assert (unit.backward, unit.backward_input, unit.backward_weight) == (3.0, 1.5, 1.5)
+
+
+def test_measure_cores_reports_how_many_workers_run_at_once():
+    from mpedu.profile import measure_cores
+    cores = measure_cores(2, repeats=1)
+    assert 0 < cores <= 2
+    with pytest.raises(ValueError, match="n >= 2"):
+        measure_cores(1)
+
+
+def test_profiling_leaves_the_random_stream_alone():
+    model, batch = tiny_model(num_layers=1, dropout=0.5), make_batch()
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    profile(model, batch, warmup=0, repeats=1)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_measure_cores_can_run_the_models_own_work():
+    from mpedu.profile import measure_cores
+    model = tiny_model(num_layers=1)
+    assert 0 < measure_cores(2, repeats=1, model=model, batch=make_batch()) <= 2
+    assert all(p.grad is None for p in model.parameters()), "the workers must train copies, not the model"

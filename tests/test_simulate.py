@@ -1,0 +1,159 @@
+"""The simulator reproduces the textbook pipeline figures and agrees with run_order and real placements."""
+import random
+import time
+
+import pytest
+
+from conftest import tiny_model
+from mpedu.placement import Placement
+from mpedu.profile import Costs, StageCost
+from mpedu.schedules import make, run_order
+from mpedu.simulate import Link, _run, peak_in_flight, simulate
+
+NO_LINK = Link(latency_s=0.0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 8), (8, 32), (3, 5)])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_equal_stages_give_the_textbook_bubble(name, p, m):
+    tl = simulate(name, [1.0] * p, micro_batches=m, link=NO_LINK)
+    assert tl.source == "predicted" and tl.devices == [f"gpu:{d}" for d in range(p)]
+    assert tl.makespan == pytest.approx(3 * (m + p - 1))          # F = 1, B = 2 per micro-batch
+    assert tl.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    for d in tl.devices:
+        assert tl.busy(d) == pytest.approx(3 * m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 32)])
+def test_1f1b_holds_fewer_micro_batches_than_gpipe(p, m):
+    gpipe = peak_in_flight(simulate("gpipe", [1.0] * p, micro_batches=m))
+    one_f_one_b = peak_in_flight(simulate("1f1b", [1.0] * p, micro_batches=m))
+    assert list(gpipe.values()) == [m] * p
+    assert list(one_f_one_b.values()) == [min(p - s, m) for s in range(p)]   # stage 0 holds p
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (8, 32)])
+def test_zero_bubble_h1_idles_a_third_of_1f1b(p, m):
+    unit = StageCost(1.0, backward=2.0, backward_input=1.0, backward_weight=1.0)   # F = B = W
+    zb = simulate("zb1", [unit] * p, micro_batches=m, link=NO_LINK)
+    ref = simulate("1f1b", [unit] * p, micro_batches=m, link=NO_LINK)
+    assert ref.idle("gpu:0") == pytest.approx(3 * (p - 1))
+    assert zb.idle("gpu:0") == pytest.approx(p - 1)
+    assert zb.makespan == pytest.approx(3 * m + p - 1)
+    assert max(peak_in_flight(zb).values()) == min(p, m)   # W frees a micro-batch later than B would
+
+
+def test_the_slowest_stage_sets_the_pace():
+    # steady state: one micro-batch per (F + B) of the slowest stage; a 2x slower device is the same
+    tl = simulate("gpipe", [1.0, 3.0], micro_batches=8, link=NO_LINK)
+    assert tl.makespan == pytest.approx(1 + 8 * 3 + 8 * 6 + 2)
+    slow = simulate("gpipe", [1.0, 1.0], micro_batches=8, link=NO_LINK, speed={"gpu:1": 1 / 3})
+    assert [e.duration for e in slow.compute("gpu:1")] == pytest.approx([e.duration for e in tl.compute("gpu:1")])
+    assert slow.makespan == pytest.approx(tl.makespan)
+
+
+def test_transfers_are_send_events_that_delay_the_receiver():
+    link = Link(latency_s=0.5, bandwidth_Bps=100.0)
+    stages = [StageCost(1.0, output_bytes=50), StageCost(1.0)]
+    tl = simulate("naive", stages, micro_batches=1, link=link)
+    sends = tl.transfers()
+    assert [(e.device, e.peer, e.bytes, e.duration) for e in sends] == [
+        ("gpu:0", "gpu:1", 50, pytest.approx(1.0)), ("gpu:1", "gpu:0", 50, pytest.approx(1.0))]
+    assert tl.makespan == pytest.approx(1 + 1 + 1 + 2 + 1 + 2)   # F0, send, F1, B1, send, B0
+    assert tl.bytes_moved == 100
+
+
+def test_a_placement_names_the_devices_and_groups_layer_costs():
+    model = tiny_model(num_layers=3)
+    placement = Placement.parse("embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu0 | decode:vgpu1", model)
+    n = len(model.layer_names)
+    costs = Costs(model.layer_names, [1.0] * n, [2.0] * n, [1.0] * n, [1.0] * n, [10] * n, [7] * n, [5] * n,
+                  [0] * n, (9, 2))
+    schedule = make("gpipe", placement.stage_devices, 4)
+    tl = simulate(schedule, costs, placement)
+    assert tl.devices == ["vgpu:0", "vgpu:1"]
+    assert {e.peer for e in tl.transfers()} == {"vgpu:0", "vgpu:1"} and len(tl.transfers()) == 3 * 4 * 2
+    for d, row in enumerate(schedule.actions):          # each device plays its list in order
+        assert [e.label for e in tl.compute(tl.devices[d])] == [str(a) for a in row]
+    f = {e.stage: e.duration for e in tl.compute() if e.kind == "F"}
+    assert f == pytest.approx({0: 2.0, 1: 1.0, 2: 1.0, 3: 1.0})   # stage 0 holds two layers
+    with pytest.raises(ValueError, match="need the placement"):
+        simulate(schedule, costs)
+    with pytest.raises(ValueError, match=r"built for stage devices \[0, 1\], but the placement"):
+        simulate(make("gpipe", [0, 1], 4), costs, placement)
+    with pytest.raises(ValueError, match="2 stage costs for a schedule with 4 stages"):
+        simulate(schedule, [1.0, 1.0])
+
+
+def test_the_fast_core_times_every_action_like_run_order():
+    rng = random.Random(0)
+    for name, stage_devices, m in [("gpipe", [0, 1, 0, 1, 2], 5), ("interleaved", [0, 1, 0, 1], 4),
+                                   ("zb1", [0, 1, 2], 6), ("1f1b", [0, 1, 2, 3], 3), ("naive", [0, 1], 2),
+                                   ("wavefront", [0, 1, 2], 2)]:
+        schedule = make(name, stage_devices, m, chunks=3) if name == "wavefront" else make(name, stage_devices, m)
+        cost = {a: rng.random() for row in schedule.actions for a in row}
+        link = {a: rng.random() * 0.3 for row in schedule.actions for a in row}
+        slow = run_order(schedule, lambda d, a: cost[a], lambda src, dst, a: link[a])
+        fast = _run(schedule, lambda d, a: cost[a], lambda a: link[a])
+        assert {a: (d, s, e) for d, a, s, e in fast} == {a: (d, s, e) for d, a, s, e in slow}, name
+
+
+def test_eight_devices_and_32_micro_batches_simulate_quickly():
+    schedule = make("1f1b", list(range(8)), 32)
+    start = time.perf_counter()
+    tl = simulate(schedule, [StageCost(1.0, output_bytes=1000)] * 8)
+    assert time.perf_counter() - start < 2.0     # loose: the benchmark asks < 50 ms
+    assert len(tl.compute()) == 8 * 32 * 2
+
+
+def test_bad_speeds_are_refused():
+    with pytest.raises(ValueError, match="speed names device 'vgpu:9'"):
+        simulate("gpipe", [1.0, 1.0], micro_batches=2, speed={"vgpu:9": 2.0})
+    with pytest.raises(ValueError, match="speed 0.0"):
+        simulate("gpipe", [1.0, 1.0], micro_batches=2, speed=[1.0, 0.0])
+    with pytest.raises(ValueError, match="needs micro_batches"):
+        simulate("gpipe", [1.0, 1.0])
+
+
+def test_link_fit_reads_the_wait_between_devices():
+    tl = simulate("gpipe", [1.0, 1.0], micro_batches=4, link=Link(latency_s=0.25))
+    assert Link.fit(tl).latency_s == pytest.approx(0.25)
+
+
+def test_virtual_devices_sharing_cores_take_turns():
+    # 2 devices on 1 core: nothing overlaps, the step is all the work one after another
+    one = simulate("gpipe", [1.0, 1.0], micro_batches=4, link=NO_LINK, cores=1)
+    assert one.makespan == pytest.approx(2 * 4 * 3)
+    # 4 devices on 2 cores: between one core's and four cores' worth
+    four = simulate("1f1b", [1.0] * 4, micro_batches=8, link=NO_LINK)
+    two = simulate("1f1b", [1.0] * 4, micro_batches=8, link=NO_LINK, cores=2)
+    assert 4 * 8 * 3 / 2 <= two.makespan < 4 * 8 * 3 and two.makespan > four.makespan
+    # cores to spare: the same plan as independent devices, action by action
+    spare = simulate("zb1", [1.0, 2.0, 1.0], micro_batches=5, link=Link(0.1), cores=2.999)
+    ref = simulate("zb1", [1.0, 2.0, 1.0], micro_batches=5, link=Link(0.1))
+    assert spare.makespan > ref.makespan
+    from mpedu.simulate import _run_shared
+    schedule = make("interleaved", [0, 1, 0, 1], 4)
+    rng = random.Random(1)
+    cost = {a: 0.5 + rng.random() for row in schedule.actions for a in row}
+    fast = _run(schedule, lambda d, a: cost[a], lambda a: 0.05)
+    shared = _run_shared(schedule, lambda d, a: cost[a], lambda a: 0.05, cores=2)
+    assert [(d, a) for d, a, _, _ in fast] == [(d, a) for d, a, _, _ in shared]
+    assert [s for *_, s, _ in fast] == pytest.approx([s for *_, s, _ in shared])
+
+
+def test_peak_in_flight_can_weigh_stages_in_bytes():
+    tl = simulate("gpipe", [1.0, 1.0, 1.0], micro_batches=4)
+    assert peak_in_flight(tl, stage_bytes=[10, 20, 30]) == {"gpu:0": 40, "gpu:1": 80, "gpu:2": 120}
+    tl = simulate(make("gpipe", [0, 1, 0, 1], 3), [1.0] * 4)
+    assert peak_in_flight(tl) == {"gpu:0": 6, "gpu:1": 6}    # two stages' micro-batches on each device
+
+
+@pytest.mark.parametrize("c", [1, 2, 4, 8])
+def test_wavefront_chunks_split_the_sequence(c):
+    # 2 stages, one micro-batch cut into c time chunks: the second stage starts after
+    # one chunk, so the step takes (c + 1) / c stage-times each way against naive's 2
+    naive = simulate("naive", [1.0, 1.0], micro_batches=1, link=NO_LINK)
+    wave = simulate("wavefront", [1.0, 1.0], micro_batches=1, chunks=c, link=NO_LINK)
+    assert len(wave.compute()) == 2 * 2 * c and {e.chunk for e in wave.compute()} == set(range(c))
+    assert naive.makespan / wave.makespan == pytest.approx(2 * c / (c + 1))
