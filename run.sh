@@ -19,12 +19,25 @@ if [ ! -f "$stamp" ]; then
     touch "$stamp"
 fi
 
+ensure_chromium() {
+    # The browser test drives Debian's Chromium; never a browser downloaded by a tool.
+    command -v chromium >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "mpedu: installing Debian's chromium for the browser test (about 30 s)" >&2
+        apt-get update -qq >/dev/null && \
+            apt-get install -y -qq --no-install-recommends chromium >/dev/null
+    else
+        echo "mpedu: chromium is missing; install it (sudo apt-get install chromium) or the browser test is skipped" >&2
+    fi
+}
+
 command="${1:-}"
 [ $# -gt 0 ] && shift
 case "$command" in
     train)
         exec "$venv/bin/python" -m mpedu train "$@" ;;
     test)
+        ensure_chromium || echo "mpedu: could not install chromium" >&2
         status=0
         "$venv/bin/python" -m pytest "$@" || status=$?
         if [ "$status" -eq 5 ]; then

@@ -1,17 +1,22 @@
 """mpedu: learn model-parallel training of a stacked LSTM language model, step by step."""
+from .balance import balance, balance_by_params, balance_by_time
 from .bucketing import Batch, BucketIterator, StreamIterator
 from .data import Corpus, Vocabulary, load_corpus
 from .devices import Device, describe_devices, get_device, get_devices, list_devices
+from .memory import memory_report
 from .model import LSTMLM
 from .pipeline import Pipeline
 from .placement import Placement
+from .profile import Costs, profile
 from .schedules import Action, Schedule
-from .timeline import Event, Timeline
+from .simulate import Link, simulate
+from .timeline import Event, Timeline, plot_timelines
 from .train import SingleDevice, train
 
 __all__ = [
-    "Action", "Batch", "BucketIterator", "Corpus", "Device", "Event", "LSTMLM", "Pipeline", "Placement",
-    "Schedule", "SingleDevice", "StreamIterator", "Timeline", "Vocabulary", "describe_devices", "get_device",
-    "get_devices", "list_devices", "load_corpus", "train",
+    "Action", "Batch", "BucketIterator", "Corpus", "Costs", "Device", "Event", "LSTMLM", "Link", "Pipeline",
+    "Placement", "Schedule", "SingleDevice", "StreamIterator", "Timeline", "Vocabulary", "balance",
+    "balance_by_params", "balance_by_time", "describe_devices", "get_device", "get_devices", "list_devices",
+    "load_corpus", "memory_report", "plot_timelines", "profile", "simulate", "train",
 ]
 __version__ = "0.1.0"

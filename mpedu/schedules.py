@@ -157,49 +157,54 @@ class Schedule:
 
 
 def run_order(schedule: Schedule, cost: Callable[[int, Action], float] = lambda d, a: 1.0,
-              link: Callable[[int, int, Action], float] = lambda src, dst, a: 0.0):
-    """Play the schedule: every device runs its list in order, an action starts when
-    its device is free and its dependencies have finished (plus `link` time when they
-    ran on another device). Returns [(device, action, start, end)] in start order.
+              link: Callable[[Action], float] = lambda a: 0.0):
+    """Play the schedule: every device runs its list in order; an action starts when its
+    device is free and its dependencies have finished, plus `link(action)` when one
+    ran on another device. Returns [(device, action, start, end)] sorted by start.
 
-    This is the deadlock check and the core of the simulator: if at some point no
-    device can start its next action, the schedule can never finish.
+    This is the deadlock check and the core of the simulator. Start times depend only
+    on each device's own order and the dependencies, so a device simply runs ahead
+    until its next action waits for one not yet played, and is woken when that one
+    is: O(actions). If devices are left waiting, the schedule can never finish.
     """
     done: dict[Action, tuple[int, float]] = {}          # action -> (device, end time)
+    waiter: dict[Action, int] = {}                      # unplayed action -> the device waiting for it
     free = [0.0] * schedule.num_devices
     pos = [0] * schedule.num_devices
     played = []
-    remaining = sum(len(row) for row in schedule.actions)
-    while remaining:
-        best = None
-        for d, row in enumerate(schedule.actions):
-            if pos[d] == len(row):
-                continue
+    ready = list(range(schedule.num_devices))
+    while ready:
+        d = ready.pop()
+        row = schedule.actions[d]
+        while pos[d] < len(row):
             a = row[pos[d]]
             deps = schedule.dependencies(a)
-            if any(dep not in done for dep in deps):
-                continue
-            ready = max([free[d]] + [end + (link(src, d, a) if src != d else 0.0)
-                                     for src, end in (done[dep] for dep in deps)])
-            if best is None or ready < best[0]:
-                best = (ready, d, a)
-        if best is None:
-            waiting = []
-            for d, row in enumerate(schedule.actions):
-                if pos[d] < len(row):
-                    a = row[pos[d]]
-                    missing = ", ".join(str(x) for x in schedule.dependencies(a) if x not in done)
-                    waiting.append(f"device {d} waits at {a} for {missing}")
-            first = next(row[pos[d]] for d, row in enumerate(schedule.actions) if pos[d] < len(row))
-            raise ScheduleError("deadlock: no device can go on\n  " + "\n  ".join(waiting)
-                                + "\n" + schedule.grid(mark=first))
-        start, d, a = best
-        end = start + cost(d, a)
-        done[a] = (d, end)
-        free[d] = end
-        pos[d] += 1
-        remaining -= 1
-        played.append((d, a, start, end))
+            blocker = next((dep for dep in deps if dep not in done), None)
+            if blocker is not None:
+                # only the device of a stage waits on that stage's actions, so one waiter each
+                waiter[blocker] = d
+                break
+            start = free[d]
+            for dep in deps:
+                src, end = done[dep]
+                start = max(start, end + link(a) if src != d else end)
+            end = start + cost(d, a)
+            done[a] = (d, end)
+            free[d] = end
+            pos[d] += 1
+            played.append((d, a, start, end))
+            if a in waiter:
+                ready.append(waiter.pop(a))
+    stuck = [d for d, row in enumerate(schedule.actions) if pos[d] < len(row)]
+    if stuck:
+        lines = []
+        for d in stuck:
+            a = schedule.actions[d][pos[d]]
+            missing = ", ".join(str(x) for x in schedule.dependencies(a) if x not in done)
+            lines.append(f"device {d} waits at {a} for {missing}")
+        raise ScheduleError("deadlock: no device can go on\n  " + "\n  ".join(lines)
+                            + "\n" + schedule.grid(mark=schedule.actions[stuck[0]][pos[stuck[0]]]))
+    played.sort(key=lambda x: (x[2], x[0]))
     return played
 
 

@@ -140,7 +140,7 @@ def _speeds(speed, names: list[str]) -> list[float]:
 
 def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], link: Link,
           speed: list[float], cores: float | None = None) -> Timeline:
-    """Time every action (_run, or _run_shared when devices share cores) and turn that into events.
+    """Time every action (schedules.run_order, or _run_shared when devices share cores) and turn that into events.
 
     An action's time is its stage cost / time chunks / the device's speed. A tensor
     crossing devices delays the receiver by link.time(bytes): F's activation goes to
@@ -160,7 +160,7 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
     cost = lambda d, a: per_kind[a.kind][a.stage] / speed[d]      # noqa: E731
     link_time = lambda a: recv[a.kind][a.stage]                    # noqa: E731
     if cores is None or cores >= schedule.num_devices:
-        played = _run(schedule, cost, link_time)
+        played = schedules.run_order(schedule, cost, link_time)
     else:
         played = _run_shared(schedule, cost, link_time, cores)
     timeline = Timeline(list(names), source="predicted")
@@ -175,49 +175,8 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
     return timeline
 
 
-def _run(schedule: Schedule, cost, link) -> list[tuple[int, object, float, float]]:
-    """schedules.run_order's timing in O(actions): same [(device, action, start, end)].
-
-    run_order scans every device for the earliest startable action at each step
-    (O(actions x p)). Start times do not depend on that global order, only on each
-    device's own order and the dependencies, so here a device simply runs ahead until
-    its next action waits for one not yet played, and is woken when that one is.
-    """
-    done: dict = {}                                     # action -> (device, end)
-    waiting: dict = {}                                  # action not yet played -> device waiting for it
-    free = [0.0] * schedule.num_devices
-    pos = [0] * schedule.num_devices
-    played = []
-    ready = list(range(schedule.num_devices))
-    while ready:
-        d = ready.pop()
-        row = schedule.actions[d]
-        while pos[d] < len(row):
-            a = row[pos[d]]
-            deps = schedule.dependencies(a)
-            blocker = next((dep for dep in deps if dep not in done), None)
-            if blocker is not None:
-                waiting[blocker] = d                    # one device runs a stage: one waiter at most
-                break
-            start = free[d]
-            for dep in deps:
-                src, end = done[dep]
-                start = max(start, end + link(a) if src != d else end)
-            end = start + cost(d, a)
-            done[a] = (d, end)
-            free[d] = end
-            pos[d] += 1
-            played.append((d, a, start, end))
-            if a in waiting:
-                ready.append(waiting.pop(a))
-    if len(played) < sum(len(row) for row in schedule.actions):
-        schedules.run_order(schedule)                   # raises ScheduleError, naming the deadlock
-    played.sort(key=lambda x: (x[2], x[0]))
-    return played
-
-
 def _run_shared(schedule: Schedule, cost, link, cores: float) -> list[tuple[int, object, float, float]]:
-    """Like _run, but devices share `cores` processors: while n devices compute, each
+    """Like schedules.run_order, but devices share `cores` processors: while n devices compute, each
     progresses at min(1, cores / n) seconds of work per second (processor sharing; alone, at 1).
     Steps from event to event: an action finishing, or one becoming ready to start."""
     p, inf = schedule.num_devices, float("inf")

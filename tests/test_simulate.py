@@ -8,7 +8,7 @@ from conftest import tiny_model
 from mpedu.placement import Placement
 from mpedu.profile import Costs, StageCost
 from mpedu.schedules import make, run_order
-from mpedu.simulate import Link, _run, peak_in_flight, simulate
+from mpedu.simulate import Link, peak_in_flight, simulate
 
 NO_LINK = Link(latency_s=0.0)
 
@@ -85,7 +85,25 @@ def test_a_placement_names_the_devices_and_groups_layer_costs():
         simulate(schedule, [1.0, 1.0])
 
 
-def test_the_fast_core_times_every_action_like_run_order():
+def _scan_every_device(schedule, cost, link):
+    """A slow, obviously right reference: at each step start the earliest startable action."""
+    done, free, pos, played = {}, [0.0] * schedule.num_devices, [0] * schedule.num_devices, []
+    while len(played) < sum(len(row) for row in schedule.actions):
+        best = None
+        for d, row in enumerate(schedule.actions):
+            if pos[d] < len(row) and all(x in done for x in schedule.dependencies(row[pos[d]])):
+                a = row[pos[d]]
+                ready = max([free[d]] + [end + (link(a) if src != d else 0.0)
+                                         for src, end in map(done.get, schedule.dependencies(a))])
+                best = min(best or (ready, d, a), (ready, d, a), key=lambda x: (x[0], x[1]))
+        ready, d, a = best
+        done[a] = (d, ready + cost(d, a))
+        free[d], pos[d] = ready + cost(d, a), pos[d] + 1
+        played.append((d, a, ready, ready + cost(d, a)))
+    return played
+
+
+def test_run_order_times_every_action_like_a_brute_force_scan():
     rng = random.Random(0)
     for name, stage_devices, m in [("gpipe", [0, 1, 0, 1, 2], 5), ("interleaved", [0, 1, 0, 1], 4),
                                    ("zb1", [0, 1, 2], 6), ("1f1b", [0, 1, 2, 3], 3), ("naive", [0, 1], 2),
@@ -93,8 +111,8 @@ def test_the_fast_core_times_every_action_like_run_order():
         schedule = make(name, stage_devices, m, chunks=3) if name == "wavefront" else make(name, stage_devices, m)
         cost = {a: rng.random() for row in schedule.actions for a in row}
         link = {a: rng.random() * 0.3 for row in schedule.actions for a in row}
-        slow = run_order(schedule, lambda d, a: cost[a], lambda src, dst, a: link[a])
-        fast = _run(schedule, lambda d, a: cost[a], lambda a: link[a])
+        slow = _scan_every_device(schedule, lambda d, a: cost[a], lambda a: link[a])
+        fast = run_order(schedule, lambda d, a: cost[a], lambda a: link[a])
         assert {a: (d, s, e) for d, a, s, e in fast} == {a: (d, s, e) for d, a, s, e in slow}, name
 
 
@@ -136,7 +154,7 @@ def test_virtual_devices_sharing_cores_take_turns():
     schedule = make("interleaved", [0, 1, 0, 1], 4)
     rng = random.Random(1)
     cost = {a: 0.5 + rng.random() for row in schedule.actions for a in row}
-    fast = _run(schedule, lambda d, a: cost[a], lambda a: 0.05)
+    fast = run_order(schedule, lambda d, a: cost[a], lambda a: 0.05)
     shared = _run_shared(schedule, lambda d, a: cost[a], lambda a: 0.05, cores=2)
     assert [(d, a) for d, a, _, _ in fast] == [(d, a) for d, a, _, _ in shared]
     assert [s for *_, s, _ in fast] == pytest.approx([s for *_, s, _ in shared])
