@@ -1,0 +1,173 @@
+"""The command line: `python -m mpedu train` and `corpus`, in-process and as a real subprocess."""
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mpedu.__main__ as cli
+from mpedu.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
+PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
+QUICK = ["--config", "tiny", "--epochs", "1", "--limit-batches", "4", "--batch-size", "16", "--no-progress"]
+KEYS = {"config", "epochs", "train_ppl", "valid_ppl", "test_ppl", "tokens_per_s"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # One intra-op thread: these tiny ops gain little from two, and two threads stall
+    # badly (10x) when other work shares the cores, as on a busy CI machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def last_json(out):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_train_on_one_device_prints_epochs_and_a_json_summary(capsys, tmp_path):
+    code, out, err = run(capsys, "train", "--devices", "1", *QUICK, "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert any(line.startswith("epoch   1/1  train ppl") and "tok/s" in line for line in lines)
+    summary = last_json(out)
+    assert KEYS <= set(summary) and summary["config"] == "tiny" and summary["epochs"] == 1
+    assert summary["runner"] == "single" and summary["devices"] == ["cpu"]
+    assert all(math.isfinite(summary[k]) and summary[k] > 1 for k in ("train_ppl", "valid_ppl", "test_ppl"))
+    assert (tmp_path / "checkpoint.pt").is_file() and (tmp_path / "model.pt").is_file()
+
+
+def test_resume_continues_and_a_foreign_checkpoint_is_an_error(capsys, tmp_path):
+    out_dir = ["--devices", "1", "--out", str(tmp_path)]
+    assert run(capsys, "train", *out_dir, *QUICK)[0] == 0
+    code, out, _ = run(capsys, "train", *out_dir, *QUICK[:2], "--epochs", "2", *QUICK[4:], "--resume", "--json")
+    assert code == 0 and "resumed from" in out
+    assert "epoch   1/2" not in out and "epoch   2/2" in out
+    assert last_json(out)["epochs"] == 2
+
+    code, out, err = run(capsys, "train", *out_dir, "--config", "small", *QUICK[2:], "--resume")
+    assert code == 2
+    assert err.startswith("mpedu: error: checkpoint") and "'tiny' model" in err and "'small' model" in err
+
+
+def test_a_bad_data_folder_exits_2_naming_it(capsys, tmp_path):
+    missing = tmp_path / "no-such-corpus"
+    code, out, err = run(capsys, "train", "--devices", "1", "--data", str(missing), *QUICK)
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("mpedu: error:") and str(missing) in err
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "ptb.train.txt").write_text("a b c\n")
+    code, out, err = run(capsys, "train", "--devices", "1", "--data", str(tmp_path / "half"), *QUICK)
+    assert code == 2 and "ptb.valid.txt" in err
+
+
+def test_no_arguments_means_train_on_two_virtual_devices_with_gpipe(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "run_train", lambda args: seen.append(args) or 0)
+    assert main([]) == 0
+    args = seen[0]
+    assert (args.command, args.devices, args.placement, args.schedule, args.micro_batches) == (
+        "train", 2, None, "gpipe", 4)
+    assert (args.config, args.out, args.data, args.resume) == ("tiny", "runs/latest", None, False)
+
+
+def test_bad_numbers_are_argparse_errors(capsys):
+    for args in (["--epochs", "0"], ["--lr", "-1"], ["--batch-size", "many"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["train", *args])
+        assert exit_.value.code == 2
+        assert args[0] in capsys.readouterr().err
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "corpus" in out
+
+
+def test_corpus_command_writes_ptb_files_that_train_reads(capsys, tmp_path):
+    code, out, _ = run(capsys, "corpus", "--out", str(tmp_path / "c"), "--seed", "3")
+    assert code == 0
+    lines = {s: (tmp_path / "c" / f"ptb.{s}.txt").read_text().splitlines() for s in ("train", "valid", "test")}
+    assert [len(v) for v in lines.values()] == [9500, 950, 950]
+    code, out, _ = run(capsys, "train", "--devices", "1", "--data", str(tmp_path / "c"), *QUICK,
+                       "--out", str(tmp_path / "run"), "--json")
+    assert code == 0 and last_json(out)["data"] == str(tmp_path / "c")
+
+
+@pytest.mark.skipif(not (PTB / "ptb.valid.txt").is_file(), reason=f"no PTB files at {PTB}")
+def test_train_on_real_ptb_files(capsys, tmp_path):
+    # Only PTB's valid and test files are shipped: train on valid, validate and test on test.
+    data = tmp_path / "ptb"
+    data.mkdir()
+    for name, source in (("train", "valid"), ("valid", "test"), ("test", "test")):
+        shutil.copy(PTB / f"ptb.{source}.txt", data / f"ptb.{name}.txt")
+    code, out, err = run(capsys, "train", "--devices", "1", "--data", str(data), *QUICK,
+                         "--out", str(tmp_path / "run"), "--json")
+    assert code == 0, err
+    words = int(re.search(r"\(([\d,]+) words", out).group(1).replace(",", ""))
+    assert 5_000 < words <= 10_003  # PTB's 10k vocabulary, less the words only ptb.train.txt holds
+    summary = last_json(out)
+    assert 1 < summary["valid_ppl"] < 20_000 and math.isfinite(summary["test_ppl"])
+
+
+def test_subprocess_run_ends_with_a_json_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "mpedu", "train", "--devices", "1", *QUICK,
+                           "--out", str(tmp_path), "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = last_json(proc.stdout)
+    assert KEYS <= set(summary) and summary["epochs"] == 1
+
+
+def test_subprocess_bad_data_has_no_traceback(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "mpedu", "train", "--data", str(tmp_path / "nope")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("mpedu: error:") and str(tmp_path / "nope") in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- the pipeline path (the default): runs once mpedu.pipeline works
+
+@pytest.fixture
+def pipeline():
+    return pytest.importorskip("mpedu.pipeline", reason="mpedu.pipeline not importable yet")
+
+
+def test_default_runner_is_a_two_device_gpipe_pipeline(pipeline, capsys, tmp_path):
+    code, out, err = run(capsys, "train", *QUICK, "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    summary = last_json(out)
+    assert summary["runner"] == "pipeline" and summary["devices"] == ["vgpu:0", "vgpu:1"]
+    assert summary["schedule"] == "gpipe" and summary["micro_batches"] == 4
+    assert 0 <= summary["bubble_fraction"] < 1 and summary["placement"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--placement", "embed,lstm0:vgpu0 | decode:vgpu1"], "lstm1"),
+    (["--schedule", "no-such-schedule"], "no-such-schedule"),
+    (["--micro-batches", "0"], "micro"),
+])
+def test_bad_pipeline_options_exit_2(pipeline, capsys, tmp_path, args, words):
+    code, out, err = run(capsys, "train", *args, *QUICK, "--out", str(tmp_path))
+    assert code == 2 and err.startswith("mpedu: error:") and words in err, err
