@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--schedule", default="gpipe",
                       help="pipeline schedule: naive, gpipe, 1f1b, interleaved, zb1, wavefront (default: gpipe)")
     pipe.add_argument("--micro-batches", type=int, default=4, metavar="M", help="micro-batches per batch (default: 4)")
+    pipe.add_argument("--chunks", type=_positive_int, default=1, metavar="C",
+                      help="time chunks per sequence, for --schedule wavefront (default: 1)")
 
     c = commands.add_parser("corpus", help="write the embedded corpus as ptb.{train,valid,test}.txt",
                             description="Write the embedded synthetic corpus in PTB format (one sentence per line).")
@@ -101,7 +103,7 @@ def build_runner(model, args):
         placement = Placement.parse(args.placement, model)
     else:
         placement = Placement.even(model, get_devices(args.devices))
-    return Pipeline(model, placement, schedule=args.schedule, micro_batches=args.micro_batches)
+    return Pipeline(model, placement, schedule=args.schedule, micro_batches=args.micro_batches, chunks=args.chunks)
 
 
 def run_train(args) -> int:
@@ -137,6 +139,9 @@ def run_train(args) -> int:
         return _error(f"interrupted; continue with --resume --out {args.out}", code=130)
     finally:
         runner.close()
+    if pipelined and runner.last_timeline is not None:
+        files = runner.last_timeline.save(args.out, stem="last_step")
+        print(f"last step's timeline: {', '.join(str(f) for f in files)} (open the .json in Perfetto or chrome://tracing)")
     if args.json:
         summary = {"config": args.config, "data": corpus.name, **history.summary(), "batch_size": args.batch_size,
                    "seed": args.seed, "out": str(Path(args.out)), "runner": "pipeline" if pipelined else "single"}

@@ -136,6 +136,7 @@ class Pipeline:
                 else schedules.gpipe(stage_devices, self.micro_batches))
         self._eval_actions = [[a for a in row if a.kind == "F"] for row in fill.actions]
         self.bucket_cache: dict[tuple[int, int], BucketPlan] = {}
+        self.last_timeline: Timeline | None = None   # the latest train_step's, for the command line
         self._workers = [Worker(dev) for dev in self.devices]
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         self._carry_shape = None
@@ -236,6 +237,7 @@ class Pipeline:
         if train:
             for stage in self.stages:
                 stage.saved.clear()
+            self.last_timeline = timeline
         return StepResult(loss=nll / tokens, nll_sum=nll, tokens=tokens, timeline=timeline)
 
     def _device_job(self, d: int, row: list[Action], micro, scale: float, train: bool,

@@ -147,20 +147,29 @@ def test_subprocess_bad_data_has_no_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-# ---- the pipeline path (the default): runs once mpedu.pipeline works
+# ---- the pipeline path (the default)
 
-@pytest.fixture
-def pipeline():
-    return pytest.importorskip("mpedu.pipeline", reason="mpedu.pipeline not importable yet")
-
-
-def test_default_runner_is_a_two_device_gpipe_pipeline(pipeline, capsys, tmp_path):
+def test_default_runner_is_a_two_device_gpipe_pipeline(capsys, tmp_path):
     code, out, err = run(capsys, "train", *QUICK, "--out", str(tmp_path), "--json")
     assert code == 0, err
     summary = last_json(out)
     assert summary["runner"] == "pipeline" and summary["devices"] == ["vgpu:0", "vgpu:1"]
     assert summary["schedule"] == "gpipe" and summary["micro_batches"] == 4
     assert 0 <= summary["bubble_fraction"] < 1 and summary["placement"]
+    # the last step's timeline as a picture, a Chrome trace and data
+    trace = json.loads((tmp_path / "last_step.json").read_text())
+    tracks = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert tracks == {"vgpu:0", "vgpu:1"}
+    assert (tmp_path / "last_step.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_wavefront_with_time_chunks_from_the_command_line(capsys, tmp_path):
+    code, out, err = run(capsys, "train", *QUICK, "--out", str(tmp_path), "--json", "--schedule", "wavefront",
+                         "--chunks", "3", "--micro-batches", "1")
+    assert code == 0, err
+    assert last_json(out)["schedule"] == "wavefront"
+    saved = json.loads((tmp_path / "last_step.timeline.json").read_text())
+    assert {e["chunk"] for e in saved["events"]} == {0, 1, 2}
 
 
 @pytest.mark.parametrize("args, words", [
@@ -168,6 +177,6 @@ def test_default_runner_is_a_two_device_gpipe_pipeline(pipeline, capsys, tmp_pat
     (["--schedule", "no-such-schedule"], "no-such-schedule"),
     (["--micro-batches", "0"], "micro"),
 ])
-def test_bad_pipeline_options_exit_2(pipeline, capsys, tmp_path, args, words):
+def test_bad_pipeline_options_exit_2(capsys, tmp_path, args, words):
     code, out, err = run(capsys, "train", *args, *QUICK, "--out", str(tmp_path))
     assert code == 2 and err.startswith("mpedu: error:") and words in err, err
