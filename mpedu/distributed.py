@@ -233,8 +233,7 @@ def plan_schedule(schedule: str, stage_ranks: list[int], m: int) -> TorchPlan:
                f"{torch.__version__} ScheduleZBVZeroBubble cannot evaluate (eval() fails), so mpedu does not offer it"
                if layout == "v" else "PyTorch's multi-stage schedules put stage s on rank s % p")
         raise ValueError(f"stage ranks {list(stage_ranks)}: each rank must hold one stage, or stages dealt "
-                         f"round-robin (stage s on rank s % p); {why}. E.g. 'embed,lstm0:vgpu0 | lstm1:vgpu1 | "
-                         "lstm2:vgpu0 | lstm3,decode:vgpu1'")
+                         f"round-robin (stage s on rank s % p); {why}. {_ROUND_ROBIN_HINT}")
     table = {
         ("naive", "single"): pp.ScheduleGPipe, ("naive", "looped"): pp.ScheduleLoopedBFS,
         ("gpipe", "single"): pp.ScheduleGPipe, ("gpipe", "looped"): pp.ScheduleLoopedBFS,
@@ -244,8 +243,8 @@ def plan_schedule(schedule: str, stage_ranks: list[int], m: int) -> TorchPlan:
     }
     if (key, layout) not in table:   # interleaved on one stage per rank
         raise ValueError(f"interleaved needs each rank to hold v >= 2 stages dealt round-robin, but stage ranks "
-                         f"{list(stage_ranks)} give one stage per rank; use 1f1b, or a placement such as "
-                         "'embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu0 | lstm3,decode:vgpu1'")
+                         f"{list(stage_ranks)} give one stage per rank; use 1f1b, or deal the stages round-robin. "
+                         f"{_ROUND_ROBIN_HINT}")
     cls = table[key, layout]
     p = max(stage_ranks) + 1
     rounds = max(1, m // p)
@@ -598,6 +597,11 @@ def _merge(gathered, devices: list[str]) -> Timeline:
 
 # -- process group ----------------------------------------------------------------------
 
+_ROUND_ROBIN_HINT = ("Round-robin means: cut the layers into v * p consecutive groups and give group k to "
+                     "rank k % p; for 2 ranks and 4 groups: 'G0:rank0 | G1:rank1 | G2:rank0 | G3:rank1', "
+                     "where G0..G3 are runs of your model's layers (see model.layer_names)")
+
+
 def setup(backend: str = "auto", timeout: float = TIMEOUT) -> tuple[int, int, torch.device]:
     """init_process_group from torchrun's environment: (rank, world size, this rank's device).
 
@@ -607,12 +611,15 @@ def setup(backend: str = "auto", timeout: float = TIMEOUT) -> tuple[int, int, to
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("mpedu.distributed runs under torchrun, which starts one process per device: "
                            "torchrun --nproc-per-node 2 -m mpedu.distributed train")
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "auto":   # NCCL only when this process has a GPU of its own
+        backend = "nccl" if torch.cuda.device_count() > local_rank else "gloo"
     if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--backend nccl needs CUDA GPUs; none is visible here: use --backend gloo")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if torch.cuda.device_count() <= local_rank:
+            raise RuntimeError(f"--backend nccl gives each process its own GPU, but local rank {local_rank} "
+                               f"sees {torch.cuda.device_count()} GPU(s): start at most that many processes "
+                               "per node (--nproc-per-node) or use --backend gloo")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
