@@ -52,6 +52,7 @@ from torch import nn
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from .__main__ import _positive_float, _positive_int   # the same argument checks as `python -m mpedu`
 from .devices import Device
 from .model import CONFIGS, Decode, Embed, LSTMLayer, nll_sum
 from .placement import Placement, _expand
@@ -645,20 +646,6 @@ PLACEMENT_HELP = ("layers to devices, e.g. \"embed,lstm0:vgpu0 | lstm1,decode:vg
                   "the k-th distinct device (in order of first appearance) is rank k, so the placement must name "
                   "exactly as many devices as torchrun starts processes (default: the layers split evenly over "
                   "all ranks)")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
 
 
 def _add_pipeline_options(parser, schedule_help: str) -> None:
