@@ -20,3 +20,11 @@ __all__ = [
     "load_corpus", "memory_report", "plot_timelines", "profile", "simulate", "train",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The explorer widget needs the notebooks extra (ipywidgets, anywidget): import it only when asked for.
+    if name == "PipelineExplorer":
+        from .widgets import PipelineExplorer
+        return PipelineExplorer
+    raise AttributeError(f"module 'mpedu' has no attribute {name!r}")
