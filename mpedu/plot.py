@@ -40,6 +40,7 @@ def plot_timeline(timeline, ax=None, *, title=None, time_unit="ms", show_transfe
     # Several stages on one device (interleaved): lighter and hatched for each later one.
     held = {d: sorted({e.stage for e in compute if e.device == d}) for d in rows}
     several = any(len(s) > 1 for s in held.values())
+    chunked = any(e.chunk for e in compute)   # time chunks: every label names its chunk, 0 included
     order = {(d, s): k for d, stages in held.items() for k, s in enumerate(stages)}
 
     # Boxes go in with add_artist: the limits are set below, and skipping barh's per-patch
@@ -54,7 +55,7 @@ def plot_timeline(timeline, ax=None, *, title=None, time_unit="ms", show_transfe
         ax.add_artist(Rectangle((e.start * scale, y - BOX_HEIGHT / 2), e.duration * scale, BOX_HEIGHT,
                                 facecolor=colour, edgecolor=_darker(colour), linewidth=0.5,
                                 hatch="//" if k else None, zorder=2, gid=f"{e.device} {e.label}"))
-        text = box_label(e, several)
+        text = box_label(e, several, chunked)
         # write the label only where it fits (about 4.5 points per character at size 7.5)
         if e.duration * scale * label_width >= 4.5 * len(text) + 2:
             ax.text((e.start + e.duration / 2) * scale, y, text, ha="center", va="center", fontsize=7.5,
@@ -81,7 +82,7 @@ def plot_timeline(timeline, ax=None, *, title=None, time_unit="ms", show_transfe
     return ax
 
 
-def plot_timelines(timelines, titles=None, shared_axis=True) -> Figure:
+def plot_timelines(timelines, titles=None, shared_axis=True, time_unit="ms") -> Figure:
     """Several timelines stacked, e.g. predicted above measured; with shared_axis they share one time axis."""
     timelines = list(timelines)
     if not timelines:
@@ -93,9 +94,10 @@ def plot_timelines(timelines, titles=None, shared_axis=True) -> Figure:
     fig = new_figure(10, 0.4 + sum(heights))
     axes = fig.subplots(len(timelines), 1, sharex=shared_axis, squeeze=False,
                         gridspec_kw={"height_ratios": heights})[:, 0]
-    hi = max((e.end for t in timelines for e in t.events), default=1.0) * UNITS["ms"]
+    hi = max((e.end for t in timelines for e in t.events), default=1.0) * UNITS[time_unit]
     for i, (t, ax, title) in enumerate(zip(timelines, axes, titles)):
-        plot_timeline(t, ax, title=title, xlim=(0.0, hi) if shared_axis else None, legend=i == 0)
+        plot_timeline(t, ax, title=title, time_unit=time_unit, xlim=(0.0, hi) if shared_axis else None,
+                      legend=i == 0)
         if shared_axis and i < len(timelines) - 1:
             ax.set_xlabel("")
             ax.tick_params(axis="x", labelbottom=False)
@@ -125,11 +127,11 @@ def _show_figures_in_jupyter() -> None:
         png.for_type(Figure, lambda fig: print_figure(fig, "png"))   # PNG: SVGs carry random ids
 
 
-def box_label(event, several_stages: bool) -> str:
-    """"F3" (forward of micro-batch 3); "1F3" with the stage when a device holds several; ".c" for a time chunk."""
-    if several_stages:
-        return event.label
-    return f"{event.kind}{event.mb}" + (f".{event.chunk}" if event.chunk else "")
+def box_label(event, several_stages: bool, chunked: bool = False) -> str:
+    """"F3" (forward of micro-batch 3); "1F3" with the stage when a device holds several;
+    ".c" for time chunk c when the step has time chunks (as Schedule.grid writes them)."""
+    text = f"{event.stage}{event.kind}{event.mb}" if several_stages else f"{event.kind}{event.mb}"
+    return f"{text}.{event.chunk}" if chunked else text
 
 
 def _draw_transfers(ax, timeline, rows, scale) -> None:

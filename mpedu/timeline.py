@@ -196,8 +196,8 @@ class Timeline:
         return paths
 
 
-def plot_timelines(timelines: list[Timeline], titles=None, shared_axis: bool = True):
+def plot_timelines(timelines: list[Timeline], titles=None, shared_axis: bool = True, time_unit: str = "ms"):
     """Timelines stacked one above the other (e.g. predicted and measured), sharing one time axis
-    unless shared_axis=False. Returns the matplotlib Figure."""
+    unless shared_axis=False; time_unit "s", "ms" or "us". Returns the matplotlib Figure."""
     from .plot import plot_timelines as plot
-    return plot(timelines, titles=titles, shared_axis=shared_axis)
+    return plot(timelines, titles=titles, shared_axis=shared_axis, time_unit=time_unit)

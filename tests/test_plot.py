@@ -159,3 +159,14 @@ def test_save_writes_the_picture_the_trace_and_the_timeline(tmp_path):
     assert paths[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "traceEvents" in json.loads(paths[1].read_text())
     assert Timeline.from_dict(json.loads(paths[2].read_text())).events == t.events
+
+
+def test_time_chunk_labels_name_chunk_zero_too_and_units_follow_the_caller():
+    from mpedu.timeline import plot_timelines
+    t = Timeline(["vgpu:0"])
+    for c in range(2):
+        t.add(Event("vgpu:0", "F", 0, 0, float(c), c + 1.0, chunk=c))
+    ax = t.plot()
+    assert sorted(x.get_text() for x in ax.texts if x.get_text().startswith("F")) == ["F0.0", "F0.1"]
+    fig = plot_timelines([t, t], time_unit="s")
+    assert fig.axes[-1].get_xlim()[1] == pytest.approx(2.0)
