@@ -32,6 +32,21 @@ def median_time(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def paired_times(runs: dict, repeats: int, warmup: int = 2) -> dict:
+    """Median seconds of each callable, timed in turn round after round (A B C A B C ...), so
+    a machine whose speed drifts during the benchmark affects every run alike."""
+    for _ in range(warmup):
+        for fn in runs.values():
+            fn()
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def machine() -> dict:
     return {"cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "cuda": torch.cuda.is_available()}

@@ -9,6 +9,7 @@ m = 8): the only difference is how many devices share the work.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, machine, median_time, random_batch  # noqa: E402
+from common import finish, machine, paired_times, random_batch  # noqa: E402
 
 from mpedu.model import LSTMLM, LMConfig, nll_sum  # noqa: E402
 from mpedu.pipeline import Pipeline  # noqa: E402
@@ -39,28 +40,19 @@ class PlainLM(nn.Module):
         return self.decode(self.lstm(self.embed(tokens))[0])
 
 
-def balanced_split(model, batch) -> Placement:
-    """Profile each layer's forward+backward on one micro-batch and cut where the two halves
-    are closest (the planning issue's balance module generalises this)."""
+def balanced_split(model, batch) -> tuple[Placement, list[float]]:
+    """Time each layer's forward + backward on one micro-batch (every layer its own stage)
+    and cut where the two halves are closest; mpedu.balance generalises this."""
     names = model.layer_names
     micro = batch.split(M)[0]
-    costs = []
-    with Pipeline(model, Placement.single(model), "naive", 1) as pipe:
-        def one():
-            model.zero_grad()
-            pipe.train_step(micro)
-        median_time(one, 1)   # warm up
-        for _ in range(3):
-            tl = pipe.train_step(micro).timeline
-    # per-layer cost: time each layer separately in a single-layer-stage pipeline
-    stages = " | ".join(f"{n}:vgpu0" if k % 2 == 0 else f"{n}:vgpu1" for k, n in enumerate(names))
-    with Pipeline(model, stages, "naive", 1) as pipe:
+    alternating = " | ".join(f"{n}:vgpu{k % 2}" for k, n in enumerate(names))
+    with Pipeline(model, alternating, "naive", 1) as pipe:
         for _ in range(3):
             pipe.train_step(micro)
         samples = [pipe.train_step(micro).timeline for _ in range(5)]
-    for s in range(len(names)):
-        per = sorted(sum(e.duration for e in tl.compute() if e.stage == s) for tl in samples)
-        costs.append(per[len(per) // 2])
+    model.zero_grad()
+    costs = [statistics.median(sum(e.duration for e in tl.compute() if e.stage == s) for tl in samples)
+             for s in range(len(names))]
     total = sum(costs)
     best = min(range(1, len(names)), key=lambda k: abs(sum(costs[:k]) - total / 2))
     return Placement.parse(f"{','.join(names[:best])}:vgpu0 | {','.join(names[best:])}:vgpu1", model), costs
@@ -76,28 +68,27 @@ def main(argv=None):
     batch = random_batch(VOCAB, T, B)
     placement, costs = balanced_split(model, batch)
 
-    def timed(pipe):
+    plain = PlainLM()
+
+    def stepper(pipe):
         def step():
             model.zero_grad()
             pipe.train_step(batch)
-        return median_time(step, args.repeats)
-
-    with Pipeline(model, Placement.single(model), "gpipe", M) as one:
-        t1 = timed(one)
-    with Pipeline(model, placement, "gpipe", M) as two:
-        t2 = timed(two)
-        bubble = two.train_step(batch).timeline.bubble_fraction
-    with Pipeline(model, Placement.single(model), "naive", 1) as whole:
-        t_mpedu = timed(whole)
-
-    plain = PlainLM()
+        return step
 
     def plain_step():
         plain.zero_grad()
         loss = nll_sum(plain(batch.inputs), batch.targets) / batch.tokens
         loss.backward()
 
-    t_plain = median_time(plain_step, args.repeats)
+    with Pipeline(model, Placement.single(model), "gpipe", M) as one, \
+            Pipeline(model, placement, "gpipe", M) as two, \
+            Pipeline(model, Placement.single(model), "naive", 1) as whole:
+        # the runs take turns, round after round, so drifting machine speed hits all alike
+        times = paired_times({"one": stepper(one), "two": stepper(two), "whole": stepper(whole),
+                              "plain": plain_step}, args.repeats)
+        bubble = two.train_step(batch).timeline.bubble_fraction
+    t1, t2, t_mpedu, t_plain = times["one"], times["two"], times["whole"], times["plain"]
 
     p = 2
     ideal = M * p / (M + p - 1)
