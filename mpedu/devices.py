@@ -1,8 +1,12 @@
 """Devices: a real `cuda:N`, or a virtual `vgpu:N` that is one CPU worker thread."""
 from __future__ import annotations
 
+import contextlib
+import math
+import numbers
 import os
 import queue
+import re
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -90,6 +94,43 @@ def get_devices(n: int, kind: str = "auto") -> list[Device]:
         raise ValueError(f"asked for {n} {kind} devices but this machine has {len(pool)}: "
                          f"{', '.join(d.name for d in pool) or 'none'}")
     return pool[:n]
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
+
+
+def parse_size(value) -> int:
+    """Bytes from a size: a number of bytes, or text such as "2MB", "512 kB", "1.5GiB" (kB = 1000, KiB = 1024).
+
+    Used for memory caps, e.g. `Pipeline(..., memory_cap={"vgpu:0": "2MB"})`.
+    """
+    number = None
+    with contextlib.suppress(OverflowError):     # 10**400 bytes is not a size either
+        if isinstance(value, numbers.Real) and not isinstance(value, bool):
+            number = float(value)
+        elif isinstance(value, str) and len(value) < 64:
+            match = _SIZE_RE.match(value.lower())
+            if match:
+                unit = _UNITS.get(match.group(2)) or _UNITS.get(match.group(2) + "b")   # "2M" means "2MB"
+                number = float(match.group(1)) * unit if unit else None
+    if number is None or not math.isfinite(number) or number < 1:
+        try:
+            shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        except ValueError:                        # an int too long for repr()
+            shown = "(a number with more than 4300 digits)"
+        raise ValueError(f"memory size {shown} is not a size of at least one byte; write a number of bytes "
+                         f"or a number with a unit, e.g. '2MB', '512kB', '1.5GiB'")
+    return int(number)
+
+
+def format_size(nbytes: float) -> str:
+    """A size for people: 1.59 MB, 950 kB, 12 bytes (powers of 1000, like parse_size's MB)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 class Worker:

@@ -76,13 +76,42 @@ class Stage:
             ptr = t.untyped_storage().data_ptr()
             if ptr not in self._param_storages:
                 storages[ptr] = t.untyped_storage().nbytes()
-            return t
+            # Detached (same storage, no history): an output saved as itself would point back at its
+            # own grad_fn, a cycle only backward breaks; a step that fails before its backward would
+            # then leak the whole graph (bench/soak.py measured 0.4 MB per failed step).
+            return t.detach()
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
         self.saved[mb, chunk] = _Saved(x if x.requires_grad else None, out, state_in, state_out,
                                        saved_bytes=sum(storages.values()))
         return out
+
+    def measure(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        """A dry run for the memory estimate: run the layers on one micro-batch from a fresh state,
+        store nothing, and return (output, [per layer: {storage: bytes} autograd saved for backward]).
+
+        The output keeps its graph, so the saved storages stay allocated (and their addresses
+        unique) for as long as the caller holds it; detach it before passing it on.
+        """
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        per_layer = []
+        for k, layer in enumerate(self.layers):
+            storages: dict[int, int] = {}
+
+            def pack(t, storages=storages):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self._param_storages:
+                    storages[ptr] = t.untyped_storage().nbytes()
+                return t.detach()           # no cycle: this graph never runs backward (see forward)
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                x, _ = layer(x, None)
+                if self.is_last and k == len(self.layers) - 1:
+                    x = nll_sum(x, targets)
+            per_layer.append(storages)
+        return x, per_layer
 
     def saved_bytes(self, mb: int, chunk: int = 0) -> int:
         """Activation bytes held for the backward of (mb, chunk); 0 once it has run."""

@@ -1,12 +1,11 @@
-"""Training loop, perplexity, checkpoints, and the single-device runner every pipeline must match."""
+"""Training loop, perplexity, numeric-fault checks, and the single-device runner every pipeline must match."""
 from __future__ import annotations
 
-import contextlib
+import bisect
 import json
 import math
-import os
+import numbers
 import random
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from itertools import islice
@@ -15,7 +14,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .model import CONFIGS, LMConfig, LSTMLM, detach_state, nll_sum
+# Checkpoints live in mpedu.checkpoint; these names stay importable from here for older code.
+from .checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, CheckpointError, load_checkpoint,  # noqa: F401
+                         load_model, remove_stale_temp, save_checkpoint, save_model, set_rng_state)
+from .model import LSTMLM, detach_state, nll_sum
 
 # Defaults, chosen so `python -m mpedu train` (tiny model, embedded corpus) takes about two
 # minutes on 2 cores with validation perplexity falling every epoch (measured: 171, 141, 124,
@@ -62,6 +64,7 @@ class SingleDevice:
         pass
 
     def _nll(self, batch) -> torch.Tensor:
+        check_batch(batch, self.model.vocab_size)
         inputs, targets = batch.inputs.to(self.device), batch.targets.to(self.device)  # (T, B)
         width = inputs.shape[1]
         carried = self._state if batch.carry_state and width == self._width else None
@@ -83,6 +86,30 @@ class SingleDevice:
         self.model.eval()
         nll = self._nll(batch).item()
         return StepResult(nll / batch.tokens, nll, batch.tokens)
+
+
+def check_batch(batch, vocab_size: int) -> None:
+    """Refuse a batch the model cannot read, naming what is wrong, before torch fails deep inside.
+
+    Two min/max reductions per step: cheap next to the step itself.
+    """
+    inputs, targets, mask = (getattr(batch, k, None) for k in ("inputs", "targets", "mask"))
+    if not all(torch.is_tensor(t) for t in (inputs, targets, mask)):
+        raise TypeError(f"expected a Batch with tensors inputs, targets and mask, got {type(batch).__name__}; "
+                        "make batches with BucketIterator or StreamIterator")
+    if inputs.dim() != 2 or inputs.shape != targets.shape or mask.shape != targets.shape or inputs.numel() == 0:
+        raise ValueError(f"a batch needs inputs, targets and mask of one (T, B) shape with T, B >= 1; got "
+                         f"{tuple(inputs.shape)}, {tuple(targets.shape)} and {tuple(mask.shape)}")
+    for what, t in (("inputs", inputs), ("targets", targets)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"batch {what} must be integer token ids, got dtype {t.dtype}")
+    lo, hi = min(int(inputs.min()), int(targets.min())), max(int(inputs.max()), int(targets.max()))
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"the batch holds token id {bad}, but the model's vocabulary has ids 0..{vocab_size - 1}; "
+                         "were the batches made with another vocabulary?")
+    if int(mask.sum()) == 0:
+        raise ValueError("the batch has no real (non-padding) target tokens")
 
 
 @dataclass
@@ -120,7 +147,7 @@ class History:
             "seconds": sum(e["seconds"] for e in self.epochs),
             # mean over all training steps of the run (each step weighs the same)
             "bubble_fraction": sum(b * n for b, n in bubbles) / sum(n for _, n in bubbles) if bubbles else None,
-            "steps": steps,
+            "steps": steps, "skipped_batches": sum(e.get("skipped_batches", 0) for e in self.epochs),
         }
 
 
@@ -190,34 +217,195 @@ def evaluate(runner, sentences, batch_size: int, *, bptt: int | None = None, buc
 
 def _fresh_totals() -> dict:
     # running sums for the epoch in progress; saved in mid-epoch checkpoints
-    return {"nll": 0.0, "tokens": 0, "steps": 0, "train_seconds": 0.0, "bubble_sum": 0.0, "bubble_steps": 0}
+    return {"nll": 0.0, "tokens": 0, "steps": 0, "train_seconds": 0.0, "bubble_sum": 0.0, "bubble_steps": 0,
+            "skipped": 0}
 
 
 def _format_epoch(r: dict, epochs: int) -> str:
+    skipped = f"  ({r['skipped_batches']} bad batches skipped)" if r.get("skipped_batches") else ""
     return (f"epoch {r['epoch']:>3}/{epochs}  train ppl {r['train_ppl']:9.2f}  valid ppl {r['valid_ppl']:9.2f}  "
-            f"lr {r['lr']:<8.4g} {r['tokens_per_s']:>9,.0f} tok/s  {r['seconds']:6.1f} s")
+            f"lr {r['lr']:<8.4g} {r['tokens_per_s']:>9,.0f} tok/s  {r['seconds']:6.1f} s{skipped}")
 
 
-def _resume(path: Path, model, optimizer, vocab, settings: dict, log):
+# ---------------------------------------------------------------- numeric faults
+
+class NumericFault(FloatingPointError):
+    """A NaN or inf in a step: the loss, a gradient or a weight. Names the step, the layer and,
+    in a pipeline, its stage and device (attributes `step`, `layer`, `stage`, `device`)."""
+
+    def __init__(self, message: str, *, step: int | None = None, layer: str | None = None, stage: int | None = None,
+                 device: str | None = None):
+        super().__init__(message)
+        self.step, self.layer, self.stage, self.device = step, layer, stage, device
+
+
+@dataclass
+class Fault:
+    """Where a non-finite number first shows: `layer`, and what is wrong there."""
+
+    layer: str | None
+    what: str
+    stage: int | None = None
+    device: str | None = None
+    in_weights: bool = False      # the weights themselves are non-finite: no later batch can be good
+
+    def __str__(self) -> str:
+        if self.layer is None:
+            return self.what
+        where = f"stage {self.stage} on {self.device}" if self.stage is not None else f"on {self.device}"
+        return f"layer {self.layer} ({where}): {self.what}"
+
+
+def all_finite(tensors) -> bool:
+    """True when no tensor holds a NaN or inf. One reduction per tensor, one sync per device."""
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(flags).all()) for flags in by_device.values())
+
+
+def _describe_bad(t: torch.Tensor) -> str:
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    parts = [f"{nan:,} nan" if nan else "", f"{inf:,} inf" if inf else ""]
+    return " and ".join(p for p in parts if p) + f" of {t.numel():,} values"
+
+
+def find_fault(model: LSTMLM, runner=None, batch=None) -> Fault:
+    """Which layer a non-finite loss or gradient comes from, looked for in the order it spreads:
+
+    1. a weight that is already NaN/inf (every later step fails too);
+    2. the first layer whose output is not finite, running `batch` forward again layer by layer
+       (from a fresh recurrent state, with the generators put back afterwards);
+    3. the gradients: backward runs from the last layer to the first, so the last layer in
+       model order whose weight gradient is not finite is where it started.
+    Only called after a bad step, so a healthy step pays nothing for it.
+    """
+    def fault(layer, what, **kw):
+        stage, device = _locate(runner, model, layer)
+        return Fault(layer, what, stage, device, **kw)
+
+    for name in model.layer_names:
+        for pname, p in model.layers[name].named_parameters():
+            if not all_finite([p.detach()]):
+                return fault(name, f"its weight {pname} holds {_describe_bad(p.detach())}", in_weights=True)
+    if batch is not None:
+        found = _first_bad_output(model, batch)
+        if found is not None:
+            return fault(*found)
+    for name in reversed(model.layer_names):
+        for pname, p in model.layers[name].named_parameters():
+            if p.grad is not None and not all_finite([p.grad]):
+                return fault(name, f"the gradient of {pname} holds {_describe_bad(p.grad)} (its forward output "
+                                   "was finite: the backward overflowed)")
+    return Fault(None, "every weight, output and gradient was finite when checked again (from a fresh "
+                       "recurrent state); the step's result was not")
+
+
+def _first_bad_output(model: LSTMLM, batch):
+    rng_devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    with torch.no_grad(), torch.random.fork_rng(devices=rng_devices):
+        x = batch.inputs
+        for name in model.layer_names:
+            layer = model.layers[name]
+            x, _ = layer(x.to(next(layer.parameters()).device))
+            if x.is_floating_point() and not all_finite([x]):
+                return name, f"its output holds {_describe_bad(x)} though its input and weights are finite"
+        loss = nll_sum(x, batch.targets.to(x.device))
+        if not all_finite([loss]):
+            return model.layer_names[-1], f"the loss is {loss.item()} though the logits are finite"
+    return None
+
+
+def _locate(runner, model, layer: str) -> tuple[int | None, str]:
+    """(stage index, device name) of a layer: from the pipeline's placement, else the runner's device."""
+    placement = getattr(runner, "placement", None)
+    if placement is not None and hasattr(placement, "stages"):
+        for s, (dev, names) in enumerate(placement.stages):
+            if layer in names:
+                return s, str(dev)
+    device = getattr(runner, "device", None) or next(model.layers[layer].parameters()).device
+    return None, str(device)
+
+
+# ---------------------------------------------------------------- checking arguments
+
+def _check_number(name: str, value, *, integer: bool = False, minimum: float = 0, above: bool = False,
+                  maximum: float = math.inf, none_ok: bool = False):
+    """A finite number (a whole one if `integer`) at least `minimum` (more than it if `above`), below `maximum`."""
+    if value is None and none_ok:
+        return None
+    kind = numbers.Integral if integer else numbers.Real
+    bad = isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) \
+        or value < minimum or (above and value == minimum) or value >= maximum
+    if bad:
+        need = "a whole number" if integer else "a finite number"
+        bound = (f"> {minimum:g}" if above else f">= {minimum:g}") + (f" and < {maximum:g}" if maximum < math.inf else "")
+        raise ValueError(f"{name}={value!r}: expected {need} {bound}" + (" or None" if none_ok else ""))
+    return value
+
+
+def _shortest_time_steps(batches) -> int:
+    """The fewest time steps any batch of this iterator can have (a wavefront needs chunks <= T)."""
+    bptt = getattr(batches, "bptt", None)
+    if bptt is not None:                          # StreamIterator: full windows, the last one shorter
+        n = batches.inputs.shape[0]
+        return min(bptt, n % bptt or bptt)
+    cap, buckets = batches.buckets[-1], batches.buckets
+    # a sentence's last piece (the only one unless it is longer than the largest bucket) sets its bucket
+    return min(buckets[bisect.bisect_left(buckets, n - cap * ((n - 1) // cap))] for n in batches.lengths)
+
+
+def _differs(a, b) -> bool:
+    try:
+        return bool(a != b)
+    except Exception:      # e.g. a tensor where a setting should be: it differs
+        return True
+
+
+# what every epoch record of a History holds (and summary() reads)
+_EPOCH_KEYS = ("epoch", "lr", "train_ppl", "valid_ppl", "tokens_per_s", "seconds", "tokens", "steps", "train_seconds")
+
+
+def _resume(path: Path, model, optimizer, vocab, settings: dict, placement: str | None, log):
     """Load a checkpoint into model, optimizer and RNGs; return (history, epoch, batch, totals)."""
     ckpt = load_checkpoint(path, model=model, vocab=vocab)
-    model.load_state_dict(ckpt["model"])          # copies into the live (possibly moved) Parameters
-    optimizer.load_state_dict(ckpt["optimizer"])  # includes the lr, perhaps halved already
-    _set_rng_state(ckpt["rng"])
-    pos = ckpt["position"]
-    changed = {k: (ckpt["settings"].get(k), v) for k, v in settings.items() if ckpt["settings"].get(k) != v}
+    try:
+        # weights are stored per layer name, so they load onto any placement or device count
+        model.load_state_dict(ckpt["model"])          # copies into the live (possibly moved) Parameters
+        optimizer.load_state_dict(ckpt["optimizer"])  # includes the lr, perhaps halved already
+        set_rng_state(ckpt["rng"])
+        history = History.from_dict(ckpt["history"])
+        pos = ckpt["position"]
+        totals = {**_fresh_totals(), **pos.get("totals", {})}
+        # what the loop will do arithmetic with must be numbers, or it fails mid-epoch
+        for where, values in [("totals", totals), *((f"history epoch {k + 1}", e) for k, e in enumerate(history.epochs))]:
+            for key in _EPOCH_KEYS if where != "totals" else _fresh_totals():
+                if isinstance(values[key], bool) or not isinstance(values[key], numbers.Real):
+                    raise TypeError(f"{where}: {key}={values[key]!r} is not a number")
+        _check_number("the learning rate", optimizer.param_groups[0]["lr"], above=True)
+    except Exception as e:  # whatever part torch or we trip over, the cause is the file: say so
+        raise CheckpointError(f"checkpoint {path} is damaged: {e.__class__.__name__}: {e}; delete it, or pick "
+                              "another --out to start afresh") from None
+    if not all_finite([p.detach() for p in model.parameters()]):
+        raise CheckpointError(f"checkpoint {path} holds NaN or inf weights; mpedu never writes those, so the file "
+                              "was changed or comes from elsewhere: delete it, or pick another --out")
+    changed = {k: (ckpt["settings"].get(k), v) for k, v in settings.items() if _differs(ckpt["settings"].get(k), v)}
     if changed:
         log("note: the checkpoint used " + ", ".join(f"{k}={a}" for k, (a, _) in changed.items())
             + "; this run uses " + ", ".join(f"{k}={b}" for k, (_, b) in changed.items())
             + ", so the data order differs from the interrupted run")
+    if ckpt.get("placement") != placement:
+        log(f"note: the checkpoint was written on {ckpt.get('placement') or 'one device'}; this run uses "
+            f"{placement or 'one device'} (weights are stored per layer, so they load; float rounding may differ)")
     log(f"resumed from {path} at epoch {pos['epoch'] + 1}, batch {pos['batch']}")
-    return History.from_dict(ckpt["history"]), pos["epoch"], pos["batch"], dict(pos["totals"])
+    return history, pos["epoch"], pos["batch"], totals
 
 
 def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_size: int = BATCH_SIZE,
           lr: float = LR, clip: float | None = CLIP, seed: int = 0, out=None, resume: bool = False,
           bptt: int | None = None, buckets=None, checkpoint_every: int = CHECKPOINT_EVERY,
-          limit_batches: int | None = None, log=print, progress: bool = True) -> History:
+          limit_batches: int | None = None, skip_bad_batches: bool = False, log=print,
+          progress: bool = True) -> History:
     """Train with SGD and gradient-norm clipping; return the History.
 
     runner: SingleDevice(model) by default, or a Pipeline built on `model`.
@@ -225,11 +413,23 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     out: folder for `checkpoint.pt` (every `checkpoint_every` batches and each epoch end)
       and `model.pt` (final weights + config + vocabulary). resume=True continues from
       out/checkpoint.pt exactly, even mid-epoch (stream mode restarts the carried state);
-      the lr then comes from the checkpoint.
+      the lr then comes from the checkpoint. The checkpoint loads onto any placement.
     bptt: stream mode (StreamIterator, state carried across batches) instead of buckets.
     limit_batches: use only the first N batches of every split each epoch (smoke tests).
+    A NaN or inf loss or gradient raises NumericFault naming the step, the layer and (in a
+      pipeline) its stage and device, before the optimizer steps; the last good checkpoint
+      stays as it was. skip_bad_batches=True skips such a batch instead (its gradients are
+      dropped), counts it in the history ("skipped_batches") and carries on.
     Seeds torch and `random` from `seed`; the data order depends only on (seed, epoch).
     """
+    epochs = _check_number("epochs", epochs, integer=True)
+    batch_size = _check_number("batch_size", batch_size, integer=True, minimum=1)
+    lr = _check_number("lr", lr, above=True, maximum=torch.finfo(torch.float32).max)   # SGD casts it to float
+    clip = _check_number("clip", clip, none_ok=True) or None        # 0 means no clipping
+    seed = _check_number("seed", seed, integer=True, maximum=2**63)   # what every generator accepts
+    bptt = _check_number("bptt", bptt, integer=True, minimum=1, none_ok=True)
+    checkpoint_every = _check_number("checkpoint_every", checkpoint_every, integer=True, none_ok=True)
+    limit_batches = _check_number("limit_batches", limit_batches, integer=True, minimum=1, none_ok=True)
     runner = runner or SingleDevice(model)
     # built after the runner: the Pipeline moves layers in place, so these are the live Parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -237,28 +437,59 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     ckpt_path = out / "checkpoint.pt" if out else None
     settings = {"batch_size": batch_size, "seed": seed, "bptt": bptt, "buckets": list(buckets) if buckets else None,
                 "limit_batches": limit_batches}
+    placement = str(runner.placement) if hasattr(runner, "placement") else None
+    # Every split is batched before anything is trained, so a setting the data cannot meet
+    # (a bad bucket list, time chunks longer than a bucket) fails now, not after an hour.
+    train_batches = make_batches(corpus.train, batch_size, bptt=bptt, buckets=buckets, shuffle=True, seed=seed)
+    chunks = getattr(runner, "chunks", 1)
+    for split in ("train", "valid", "test"):
+        batches = train_batches if split == "train" else make_batches(corpus.sentences(split), batch_size,
+                                                                      bptt=bptt, buckets=buckets)
+        if chunks > 1 and chunks > (shortest := _shortest_time_steps(batches)):
+            raise ValueError(f"chunks={chunks}, but some {split} batches have only {shortest} time steps; "
+                             f"use at most {shortest} chunks, or buckets (or bptt) of at least {chunks} steps")
     history, first_epoch, first_batch, totals = History(), 0, 0, _fresh_totals()
     torch.manual_seed(seed)
     random.seed(seed)
 
     if resume and ckpt_path is None:
         raise ValueError("resume=True needs out=<folder holding checkpoint.pt>")
+    if ckpt_path is not None:
+        for stale in remove_stale_temp(ckpt_path) + remove_stale_temp(out / "model.pt"):
+            log(f"removed {stale}, a file an interrupted run was writing (never read)")
     if resume and ckpt_path.exists():
-        history, first_epoch, first_batch, totals = _resume(ckpt_path, model, optimizer, corpus.vocab, settings, log)
+        history, first_epoch, first_batch, totals = _resume(ckpt_path, model, optimizer, corpus.vocab, settings,
+                                                            placement, log)
     elif ckpt_path is not None and ckpt_path.exists():
         log(f"starting afresh; {ckpt_path} will be overwritten (pass resume=True / --resume to continue it)")
     elif resume:
         log(f"no checkpoint at {ckpt_path}; starting afresh")
     lr = optimizer.param_groups[0]["lr"]
-    placement = str(runner.placement) if hasattr(runner, "placement") else None
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    last_saved = None      # (epoch, batch) of the newest checkpoint this run wrote
 
     def checkpoint(epoch: int, batch: int, totals: dict) -> None:
-        if ckpt_path is not None:
-            save_checkpoint(ckpt_path, model=model, optimizer=optimizer, vocab=corpus.vocab, history=history,
-                            epoch=epoch, batch=batch, totals=totals, placement=placement, settings=settings)
+        nonlocal last_saved
+        if ckpt_path is None:
+            return
+        if not all_finite([p.detach() for p in params]):   # never replace a good checkpoint by a broken model
+            found = find_fault(model, runner)
+            raise NumericFault(f"the weights became non-finite before the checkpoint at epoch {epoch + 1}, "
+                               f"batch {batch}: {found}; {ckpt_path} keeps the last good state. Lower the "
+                               f"learning rate (now {lr:g}) and resume", layer=found.layer,
+                               stage=found.stage, device=found.device)
+        save_checkpoint(ckpt_path, model=model, optimizer=optimizer, vocab=corpus.vocab, history=history,
+                        epoch=epoch, batch=batch, totals=totals, placement=placement, settings=settings)
+        last_saved = (epoch, batch)
 
-    train_batches = make_batches(corpus.train, batch_size, bptt=bptt, buckets=buckets, shuffle=True, seed=seed)
+    def kept() -> str:
+        if ckpt_path is None:
+            return "nothing was saved (no out folder)"
+        if last_saved is None:
+            return (f"{ckpt_path} is as it was before this run" if ckpt_path.exists()
+                    else "no checkpoint was written yet")
+        return f"the last good checkpoint, {ckpt_path} (epoch {last_saved[0] + 1}, batch {last_saved[1]}), is kept"
+
     for epoch in range(first_epoch, epochs):
         started = time.perf_counter()
         if hasattr(train_batches, "set_epoch"):
@@ -277,25 +508,45 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             result = runner.train_step(_fitted(runner, batch))
-            if not math.isfinite(result.loss):
-                raise FloatingPointError(f"training diverged: loss {result.loss} at epoch {epoch + 1}, batch {i}; "
-                                         f"lower the learning rate (now {lr:g}) or the clip (now {clip})")
-            if clip:
-                torch.nn.utils.clip_grad_norm_(params, clip)
-            optimizer.step()
+            grads = [p.grad for p in params if p.grad is not None]
+            if math.isfinite(result.loss) and all_finite(grads):
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(params, clip)
+                optimizer.step()
+                totals["nll"] += result.nll_sum
+                totals["tokens"] += result.tokens
+                totals["steps"] += 1
+                bubble = getattr(result.timeline, "bubble_fraction", None)
+                if bubble is not None:
+                    totals["bubble_sum"] += float(bubble)
+                    totals["bubble_steps"] += 1
+            else:
+                step = epoch * n_batches + i + 1
+                found = find_fault(model, runner, batch)
+                what = f"loss {result.loss}" if not math.isfinite(result.loss) else \
+                    f"a non-finite gradient (loss {result.loss:.4g})"
+                if not skip_bad_batches or found.in_weights:
+                    advice = ("the weights themselves are broken, so skipping batches cannot help: resume from "
+                              "the last good checkpoint with a lower learning rate" if found.in_weights else
+                              "or skip such batches with skip_bad_batches=True (--skip-bad-batches)")
+                    raise NumericFault(
+                        f"training diverged at step {step}: {what} at epoch {epoch + 1}, batch {i}; lower the "
+                        f"learning rate (now {lr:g}) or the clip (now {clip}), {advice}. First non-finite: "
+                        f"{found}. The optimizer did not step; {kept()}",
+                        step=step, layer=found.layer, stage=found.stage, device=found.device)
+                optimizer.zero_grad(set_to_none=True)   # the bad gradients never reach the weights
+                runner.reset_state()                    # nor does a carried state that saw them
+                totals["skipped"] += 1
+                log(f"skipped batch {i} of epoch {epoch + 1} (step {step}): {what}; first non-finite: {found}")
             totals["train_seconds"] += time.perf_counter() - t0
-            totals["nll"] += result.nll_sum
-            totals["tokens"] += result.tokens
-            totals["steps"] += 1
-            bubble = getattr(result.timeline, "bubble_fraction", None)
-            if bubble is not None:
-                totals["bubble_sum"] += float(bubble)
-                totals["bubble_steps"] += 1
-            if totals["steps"] % 20 == 0:
+            if totals["steps"] % 20 == 0 and totals["tokens"]:
                 bar.set_postfix(ppl=f"{perplexity(totals['nll'], totals['tokens']):.1f}", refresh=False)
             if checkpoint_every and (i + 1) % checkpoint_every == 0 and i + 1 < n_batches:
                 checkpoint(epoch, i + 1, totals)
         bar.close()
+        if totals["skipped"] and totals["steps"] == 0:
+            raise NumericFault(f"every batch of epoch {epoch + 1} was bad and skipped ({totals['skipped']}); "
+                               f"lower the learning rate (now {lr:g}); {kept()}", step=(epoch + 1) * n_batches)
 
         valid_ppl = evaluate(runner, corpus.valid, batch_size, bptt=bptt, buckets=buckets, limit=limit_batches)
         record = {
@@ -305,6 +556,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
             "seconds": time.perf_counter() - started + earlier,
             "tokens": totals["tokens"], "steps": totals["steps"], "train_seconds": totals["train_seconds"],
             "bubble_fraction": totals["bubble_sum"] / totals["bubble_steps"] if totals["bubble_steps"] else None,
+            "skipped_batches": totals["skipped"],
         }
         history.epochs.append(record)
         log(_format_epoch(record, epochs))
@@ -316,140 +568,6 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     history.test_ppl = evaluate(runner, corpus.test, batch_size, bptt=bptt, buckets=buckets, limit=limit_batches)
     log(f"test ppl {history.test_ppl:.2f}" + (f"  (saved {out / 'model.pt'})" if out else ""))
     if out is not None:
-        save_model(out / "model.pt", model, corpus.vocab, placement=placement)
         checkpoint(epochs, 0, _fresh_totals())
+        save_model(out / "model.pt", model, corpus.vocab, placement=placement)
     return history
-
-
-# ---------------------------------------------------------------- checkpoints
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or that belongs to another model."""
-
-
-CHECKPOINT_FORMAT = "mpedu-checkpoint-1"
-MODEL_FORMAT = "mpedu-model-1"
-
-
-def _config_name(config: LMConfig) -> str:
-    """The CONFIGS name of `config`, or "custom" when its sizes match none."""
-    return next((name for name, c in CONFIGS.items() if c == config), "custom")
-
-
-def _describe(config: dict, vocab_size: int) -> str:
-    name = _config_name(LMConfig(**config))
-    return (f"'{name}' model (embed {config['embed_size']}, hidden {config['hidden_size']}, "
-            f"{config['num_layers']} LSTM layers, {vocab_size:,}-word vocabulary)")
-
-
-def _atomic_save(obj, path) -> None:
-    """torch.save to a temp file in the same folder, fsync, then rename: readers see old or new, never half."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX; not possible on Windows)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def _load(path, kind: str) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"no {kind} at {path}")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated zip, foreign pickle, ...: the torch message alone does not name the file
-        raise CheckpointError(f"cannot read {kind} {path}: {e.__class__.__name__}: {e}. The file is damaged "
-                              f"or is not an mpedu {kind}; delete it, or pick another --out") from e
-    expected = CHECKPOINT_FORMAT if kind == "checkpoint" else MODEL_FORMAT
-    if not isinstance(obj, dict) or obj.get("format") != expected:
-        found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
-        raise CheckpointError(f"{path} is not an mpedu {kind} (format {found!r}, expected {expected!r})")
-    return obj
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    with contextlib.suppress(ImportError):  # numpy's global RNG, in case a notebook's code uses it
-        import numpy as np
-        name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = [name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype("uint32"), pos, has_gauss, cached))
-
-
-def save_checkpoint(path, *, model: LSTMLM, optimizer, vocab, history: History, epoch: int, batch: int = 0,
-                    totals: dict | None = None, placement: str | None = None, settings: dict | None = None) -> None:
-    """Everything needed to continue exactly: weights, optimizer, RNGs, data position (epoch, batch), history."""
-    _atomic_save({
-        "format": CHECKPOINT_FORMAT,
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "lr": optimizer.param_groups[0]["lr"], "rng": _rng_state(),
-        # the next batch to run is batch `batch` of epoch `epoch` (0-based); totals: the epoch so far
-        "position": {"epoch": epoch, "batch": batch, "totals": dict(totals or _fresh_totals())},
-        "history": history.to_dict(), "vocab": vocab.to_dict(),
-        "config_name": _config_name(model.config), "config": model.config.to_dict(), "vocab_size": model.vocab_size,
-        "placement": placement, "settings": dict(settings or {}),
-    }, path)
-
-
-def load_checkpoint(path, *, model: LSTMLM | None = None, vocab=None) -> dict:
-    """Read a checkpoint (weights_only); with `model`/`vocab`, check it belongs to them."""
-    ckpt = _load(path, "checkpoint")
-    if model is not None:
-        if ckpt["config"] != model.config.to_dict() or ckpt["vocab_size"] != model.vocab_size:
-            raise CheckpointError(
-                f"checkpoint {path} holds a {_describe(ckpt['config'], ckpt['vocab_size'])}, but this run built a "
-                f"{_describe(model.config.to_dict(), model.vocab_size)}; use the same --config and --data as the "
-                f"run that wrote it, or another --out to start afresh")
-    if vocab is not None and ckpt["vocab"] != vocab.to_dict():
-        from .data import Vocabulary
-        theirs = Vocabulary.from_dict(ckpt["vocab"]).itos
-        i = next((i for i, (a, b) in enumerate(zip(theirs, vocab.itos)) if a != b), min(len(theirs), len(vocab.itos)))
-        raise CheckpointError(
-            f"checkpoint {path} was trained on another vocabulary ({len(theirs):,} words) than this corpus "
-            f"({len(vocab.itos):,} words); they first differ at id {i}; use the same --data as the run "
-            f"that wrote it, or another --out to start afresh")
-    return ckpt
-
-
-def save_model(path, model: LSTMLM, vocab, *, placement: str | None = None) -> None:
-    """Final weights with what is needed to rebuild them: config and vocabulary."""
-    _atomic_save({"format": MODEL_FORMAT, "model": model.state_dict(), "config_name": _config_name(model.config),
-                  "config": model.config.to_dict(), "vocab_size": model.vocab_size, "vocab": vocab.to_dict(),
-                  "placement": placement}, path)
-
-
-def load_model(path):
-    """(model, vocab) from a file written by save_model (e.g. runs/latest/model.pt), on the CPU."""
-    from .data import Vocabulary
-    saved = _load(path, "model file")
-    model = LSTMLM(saved["vocab_size"], LMConfig(**saved["config"]))
-    model.load_state_dict(saved["model"])
-    return model, Vocabulary.from_dict(saved["vocab"])
