@@ -134,7 +134,7 @@ def main(argv=None):
     for k, name in enumerate(r["layer"] for r in reports[VOCABS[0]]):
         print(f"{name:<8}" + "".join(f"{reports[v][k]['compute_ms']:>9.1f}{reports[v][k]['param_mb']:>11.2f}"
                                      f"{reports[v][k]['activation_mb']:>8.1f}   " for v in VOCABS))
-    print(f"\nclaim: an LSTM layer (mean of 8) uses less memory but more compute than embed / decode")
+    print("\nclaim: an LSTM layer (mean of 8) uses less memory but more compute than embed / decode")
     print(f"{'':<34}" + "".join(f"{'vocab ' + str(v):>14}" for v in VOCABS))
     for other in ("embed", "decode"):
         for what in ("more_compute", "fewer_weights", "fewer_activations"):

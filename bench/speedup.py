@@ -98,7 +98,7 @@ def main(argv=None):
             ("mpedu, 1 device, whole batch", t_mpedu), ("plain PyTorch module, 1 thread", t_plain)]
     print(f"model: embed {CONFIG.embed_size}, {CONFIG.num_layers} LSTM layers of {CONFIG.hidden_size}, "
           f"vocab {VOCAB}; batch T={T} B={B}; one core per device")
-    print(f"per-layer forward+backward (ms): " + ", ".join(f"{n} {c * 1e3:.1f}" for n, c in
+    print("per-layer forward+backward (ms): " + ", ".join(f"{n} {c * 1e3:.1f}" for n, c in
                                                            zip(model.layer_names, costs)))
     print(f"placement: {placement}")
     print(f"{'run':<34}{'step (ms)':>12}{'tokens/s':>12}")

@@ -155,10 +155,10 @@ def build_runner(model, args):
                              "--placement (one device: --placement 'embed,...,decode:vgpu0')")
         return SingleDevice(model)
     from .devices import get_devices
-    from .pipeline import Pipeline, parse_placement
+    from .pipeline import Pipeline
     from .placement import Placement
     if args.placement is not None:
-        placement = parse_placement(args.placement, model)
+        placement = Placement.parse(args.placement, model)
     else:
         placement = Placement.even(model, get_devices(args.devices))
     return Pipeline(model, placement, schedule=args.schedule, micro_batches=args.micro_batches, chunks=args.chunks,

@@ -1,7 +1,6 @@
 """Pipeline: runs a schedule's action lists on the devices' workers and records a Timeline."""
 from __future__ import annotations
 
-import re
 import threading
 import time
 import weakref
@@ -10,20 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import schedules
-from .devices import Device, Worker, format_size, get_device, get_devices, list_devices, parse_size
+from . import capacity, schedules
+from .capacity import DeviceNeed
+from .devices import Device, Worker, get_devices
 from .placement import Placement
 from .schedules import Action, Schedule
 from .stage import Stage
 from .timeline import Event, Timeline
 from .train import StepResult, check_batch
-
-
-MAX_UNITS = 2**16      # (micro-batch, chunk) units per step: far beyond any batch this course uses
-
-
-class MemoryCapError(ValueError):
-    """A step would need more memory on a device than its memory_cap; the message says what fits."""
 
 
 class _Aborted(Exception):
@@ -129,11 +122,6 @@ class Pipeline:
             raise ValueError(f"chunks must be a whole number >= 1, got {chunks!r}")
         if isinstance(micro_batches, bool):
             raise ValueError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}")
-        if isinstance(micro_batches, int) and micro_batches * chunks > MAX_UNITS:
-            # writing down a schedule of 2**70 actions would never finish: refuse it first
-            raise ValueError(f"micro_batches={micro_batches} x chunks={chunks} is more than the {MAX_UNITS:,} "
-                             f"pieces a step may be cut into; a batch of B sentences splits into at most B "
-                             f"micro-batches, so use at most the batch size")
         if model.config.tie_weights:
             embed_dev, decode_dev = self.placement.assignment["embed"], self.placement.assignment["decode"]
             if embed_dev != decode_dev:
@@ -151,7 +139,7 @@ class Pipeline:
         self.micro_batches = self.schedule.micro_batches
         self.chunks = self.schedule.chunks
         self.devices: list[Device] = self.placement.devices
-        self.memory_cap = _parse_caps(memory_cap, self.devices)
+        self.memory_cap = capacity.parse_caps(memory_cap, self.devices)
         runs = self.placement.stages
         self.stages = []
         for s, (dev, names) in enumerate(runs):
@@ -202,143 +190,9 @@ class Pipeline:
             self.bucket_cache[T, B] = plan
         return plan
 
-    # -- memory ---------------------------------------------------------------------
-    def memory_estimate(self, batch) -> list["DeviceNeed"]:
-        """What each device needs for one training step on batches of this shape, in bytes:
-        its parameters, their gradients, and the activations autograd saves for backward of
-        the micro-batches (and time chunks) the schedule holds at once on that device.
-
-        The activations of one micro-batch come from a dry run of its forward with
-        saved-tensor hooks (the counting a training step records in its timeline), made
-        once per bucket shape. Not counted: optimizer state (the pipeline never sees the
-        optimizer; plain SGD keeps none) and short-lived buffers inside an op.
-        """
-        check_batch(batch, self.model.vocab_size)
-        plan = self._plan(batch)
-        return self._needs(self.placement.stages, self.schedule, self._layer_storages(batch, plan))
-
-    def _layer_storages(self, batch, plan) -> dict[str, dict[int, int]]:
-        """Per layer, the storages saved for backward by one (micro-batch, chunk) unit: {address: bytes}."""
-        if plan.layer_storages is None:
-            micro = batch.split(self.micro_batches)[0]
-            lo, hi = max(plan.chunk_bounds, key=lambda b: b[1] - b[0])     # the longest time chunk
-            held, storages = [], {}
-            cuda = sorted({d.torch_device.index or 0 for d in self.devices if d.is_cuda})
-            # the dry run must not move the generators a real step (dropout) draws from
-            with torch.random.fork_rng(devices=cuda):
-                x = micro.inputs[lo:hi]
-                for stage in self.stages:
-                    dev = stage.device.torch_device
-                    targets = micro.targets[lo:hi].to(dev) if stage.is_last else None
-                    out, per_layer = stage.measure(x.to(dev), targets)
-                    held.append(out)    # keep every graph alive: no address is reused while counting
-                    storages.update(zip(stage.names, per_layer))
-                    x = out.detach()
-            del held
-            plan.layer_storages = storages
-        return plan.layer_storages
-
-    def _needs(self, stages, schedule: Schedule, storages: dict) -> list["DeviceNeed"]:
-        """DeviceNeed per device for `stages` [(device, layer names)] run by `schedule`."""
-        devices = list(dict.fromkeys(dev for dev, _ in stages))
-        fixed = {dev: [0, 0] for dev in devices}          # parameters, gradients
-        seen: set[int] = set()
-        for dev, names in stages:
-            for name in names:
-                for p in self.model.layers[name].parameters():
-                    if id(p) not in seen:                   # tied weights: one tensor, counted once
-                        seen.add(id(p))
-                        fixed[dev][0] += p.numel() * p.element_size()
-                        fixed[dev][1] += p.numel() * p.element_size() if p.requires_grad else 0
-        per_unit = [_union_bytes(storages[name] for name in names) for _, names in stages]
-        needs = []
-        for d, (dev, row) in enumerate(zip(devices, schedule.actions)):
-            held = units = peak = peak_units = 0
-            for a in row:
-                if a.kind == "F":
-                    held, units = held + per_unit[a.stage], units + 1
-                    peak, peak_units = max(peak, held), max(peak_units, units)
-                elif a.kind == "W" or a.stage not in schedule.split_backward:   # what frees the unit
-                    held, units = held - per_unit[a.stage], units - 1
-            needs.append(DeviceNeed(dev.name, *fixed[dev], peak, peak_units, self.memory_cap.get(dev.name)))
-        return needs
-
-    def _check_memory(self, batch, plan) -> None:
-        needs = self.memory_estimate(batch)
-        over = [n for n in needs if not n.fits]
-        if not over:
-            plan.memory_checked = True
-            return
-        what = (f"a training step on batches of T={plan.T}, B={plan.B} ({self.schedule.name}, "
-                f"{self.micro_batches} micro-batches" + (f", {self.chunks} time chunks" if self.chunks > 1 else "")
-                + ")")
-        lines = [f"{n.device} needs {format_size(n.total)} for {what}: {n.parts()}; more than its memory_cap "
-                 f"{format_size(n.cap)}." for n in over]
-        raise MemoryCapError(" ".join(lines) + " " + self._what_fits(plan))
-
-    def _what_fits(self, plan) -> str:
-        """A placement that fits the caps (over these devices, else over more), or why none does."""
-        names, storages = self.model.layer_names, plan.layer_storages
-        p, n = len(self.devices), len(names)
-        caps = [self.memory_cap.get(d.name) for d in self.devices]
-        smallest = min(c for c in caps if c is not None)
-
-        def need(i, j, device, units) -> DeviceNeed:     # one stage, layers i..j-1
-            return self._needs([(device, names[i:j])], _one_row(units), storages)[0]
-
-        for q in range(p, n + 1):
-            devices = self._devices_for(q)
-            if devices is None:
-                return (f"No placement over {p} devices fits, and this machine offers too few devices of "
-                        f"this kind to spread the layers further; raise the cap." + self._fewer_in_flight_hint())
-            units, limits = self._units_per_stage(q), caps + [smallest] * (q - p)
-            counts = _min_ratio_split(n, q, lambda i, j, k: (
-                need(i, j, devices[k], units[k]).total / limits[k] if limits[k] else 0.0))
-            if counts is None:
-                continue
-            starts = [sum(counts[:k]) for k in range(q)]
-            fits = Placement(names, {name: devices[k] for k in range(q)
-                                     for name in names[starts[k]:starts[k] + counts[k]]})
-            totals = ", ".join(f"{devices[k]} {format_size(need(starts[k], starts[k] + counts[k], devices[k], units[k]).total)}"
-                               for k in range(q))
-            where = "A placement that fits" if q == p else (
-                f"No placement over these {p} devices fits; over {q} devices with {format_size(smallest)} each, one does")
-            return f"{where}: '{fits}' (needs {totals})." + self._fewer_in_flight_hint()
-        worst = max(range(n), key=lambda i: need(i, i + 1, self.devices[0], units[0]).total)
-        return (f"No placement fits, even one layer per device: {names[worst]} alone needs "
-                f"{format_size(need(worst, worst + 1, self.devices[0], units[0]).total)} with {units[0]} "
-                f"micro-batches in flight; raise the cap, or use smaller batches or shorter buckets."
-                + self._fewer_in_flight_hint())
-
-    def _fewer_in_flight_hint(self) -> str:
-        p = len(self.devices)
-        if self.schedule.name == "gpipe" and self.micro_batches > p:
-            return (f" Or hold fewer micro-batches at once: 1f1b keeps at most {p} per device where gpipe "
-                    f"keeps all {self.micro_batches}.")
-        return ""
-
-    def _devices_for(self, q: int) -> list[Device] | None:
-        """This pipeline's devices, then unused ones of the same kind, q in all (None: not enough)."""
-        virtual = self.devices[0].virtual
-        spare = [d for d in list_devices() if d.virtual == virtual and d not in self.devices]
-        devices = self.devices + spare[:q - len(self.devices)]
-        return devices if len(devices) == q else None
-
-    def _units_per_stage(self, q: int) -> list[int]:
-        """Units each stage of a one-stage-per-device split over q devices holds at most, under this
-        schedule's kind (gpipe: every micro-batch; 1f1b: at most q - s)."""
-        try:
-            schedule = schedules.make(self.schedule.name, list(range(q)), self.micro_batches, self.chunks)
-        except ValueError:                       # e.g. interleaved needs several stages per device
-            return [self.micro_batches * self.chunks] * q
-        peaks = []
-        for row in schedule.actions:
-            units = peak = 0
-            for a in row:
-                units += 1 if a.kind == "F" else -1 if (a.kind == "W" or a.stage not in schedule.split_backward) else 0
-                peak = max(peak, units)
-            peaks.append(peak)
-        return peaks
+    def memory_estimate(self, batch) -> list[DeviceNeed]:
+        """Bytes each device needs for a training step on batches of this shape (see mpedu.capacity)."""
+        return capacity.memory_estimate(self, batch)
 
     def reset_state(self) -> None:
         """Forget carried recurrent state (stream mode)."""
@@ -365,7 +219,7 @@ class Pipeline:
         check_batch(batch, self.model.vocab_size)
         plan = self._plan(batch)
         if train and self.memory_cap and not plan.memory_checked:
-            self._check_memory(batch, plan)       # before the step: nothing has run yet
+            capacity.check_memory(self, batch, plan)       # before the step: nothing has run yet
         plan.steps += 1
         micro = [[(mb.inputs[lo:hi], mb.targets[lo:hi]) for lo, hi in plan.chunk_bounds]
                  for mb in batch.split(self.micro_batches)]
@@ -492,112 +346,6 @@ class BucketPlan:
                 f"time chunks {chunks}, used {self.steps}x")
 
 
-@dataclass
-class DeviceNeed:
-    """Bytes one device needs for a training step (see Pipeline.memory_estimate)."""
-
-    device: str
-    params: int
-    grads: int
-    activations: int      # the most saved-for-backward bytes held at once
-    in_flight: int        # the most (micro-batch, chunk) units held at once
-    cap: int | None = None
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.activations
-
-    @property
-    def fits(self) -> bool:
-        return self.cap is None or self.total <= self.cap
-
-    def parts(self) -> str:
-        held = f"{self.in_flight} micro-batch{'es' if self.in_flight != 1 else ''}"
-        return (f"parameters {format_size(self.params)} + gradients {format_size(self.grads)} + activations "
-                f"{format_size(self.activations)} ({held} held at once)")
-
-    def __str__(self) -> str:
-        cap = f", cap {format_size(self.cap)}" if self.cap is not None else ""
-        return f"{self.device}: {format_size(self.total)} = {self.parts()}{cap}"
-
-
-def _union_bytes(dicts) -> int:
-    """Bytes of the distinct storages in several {address: bytes} maps (a layer's output saved
-    by the next layer too is counted once)."""
-    merged: dict[int, int] = {}
-    for d in dicts:
-        merged.update(d)
-    return sum(merged.values())
-
-
-def _one_row(units: int) -> Schedule:
-    """A one-device schedule that holds `units` forwards before their backwards (for estimates)."""
-    row = [Action("F", 0, i) for i in range(units)] + [Action("B", 0, i) for i in range(units)]
-    return Schedule("estimate", (0,), max(units, 1), [row])
-
-
-def _min_ratio_split(n: int, q: int, ratio) -> list[int] | None:
-    """Layer counts for q contiguous non-empty stages minimising the largest ratio(i, j, k)
-    (stage k holds layers i..j-1), when that is <= 1; None when no split has every ratio <= 1."""
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(q + 1)]
-    cut = [[0] * (n + 1) for _ in range(q + 1)]
-    best[0][0] = 0.0
-    for k in range(1, q + 1):
-        for j in range(k, n - (q - k) + 1):
-            for i in range(k - 1, j):
-                if best[k - 1][i] == inf:
-                    continue
-                value = max(best[k - 1][i], ratio(i, j, k - 1))
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    if best[q][n] > 1.0:
-        return None
-    counts, j = [], n
-    for k in range(q, 0, -1):
-        counts.append(j - cut[k][j])
-        j = cut[k][j]
-    return counts[::-1]
-
-
-def _parse_caps(memory_cap, devices: list[Device]) -> dict[str, int]:
-    """{device name: bytes} from one size for all devices, or a dict device -> size."""
-    if memory_cap is None:
-        return {}
-    if not isinstance(memory_cap, dict):
-        size = parse_size(memory_cap)
-        return {d.name: size for d in devices}
-    caps = {}
-    for name, size in memory_cap.items():
-        dev = get_device(name)
-        if dev not in devices:
-            raise ValueError(f"memory_cap names {dev}, which this placement does not use; it uses "
-                             f"{', '.join(d.name for d in devices)}")
-        caps[dev.name] = parse_size(size)
-    return caps
-
-
-_RANGE_RE = re.compile(r"^([a-z_]+)(\d+)-(\d+)$")
-
-
-def parse_placement(text: str, model) -> Placement:
-    """Placement.parse, after refusing a layer range wider than the model ('lstm0-999999999'),
-    which Placement.parse would spell out name by name (for minutes, in gigabytes), and with
-    every mistake in the text a ValueError (Placement.parse raises IndexError for ':0')."""
-    if isinstance(text, str):
-        n = len(model.layer_names)
-        for item in re.split(r"[|,:]", text):
-            match = _RANGE_RE.match(item.strip())
-            if match and (len(match.group(3)) > 6 or int(match.group(3)) - int(match.group(2)) >= n):
-                raise ValueError(f"layer range {item.strip()!r} is wider than the model, which has {n} layers "
-                                 f"({', '.join(model.layer_names)}); write a range such as lstm0-1")
-    try:
-        return Placement.parse(text, model)
-    except (IndexError, KeyError, AttributeError) as e:   # Placement.parse trips over some text (':0')
-        raise ValueError(f"cannot read placement {text!r} ({e.__class__.__name__}: {e}); write groups of "
-                         f"layers and a device, e.g. 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1'") from None
-
-
 def _as_placement(placement, model) -> Placement:
     if isinstance(placement, Placement):
         if placement.layer_names != model.layer_names:
@@ -605,7 +353,7 @@ def _as_placement(placement, model) -> Placement:
                              f"but the model has {model.layer_names}")
         return placement
     if isinstance(placement, str):
-        return parse_placement(placement, model)
+        return Placement.parse(placement, model)
     if isinstance(placement, dict):
         return Placement.from_dict(placement, model)
     if isinstance(placement, int):

@@ -36,7 +36,10 @@ class Placement:
     @classmethod
     def parse(cls, text: str, model) -> "Placement":
         """Read `"embed,lstm0-3:vgpu0 | lstm4-7,decode:vgpu1"` (ranges like lstm0-3 allowed)."""
-        if not text or not text.strip():
+        if not isinstance(text, str):
+            raise ValueError(f"a placement string is text like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1', "
+                             f"got {type(text).__name__} {text!r}")
+        if not text.strip():
             raise ValueError("empty placement: write groups like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1'")
         assignment: dict[str, str] = {}
         for group in text.split("|"):
@@ -46,9 +49,9 @@ class Placement:
             layers, device = group.rsplit(":", 1)
             if not device.strip():
                 raise ValueError(f"placement group {group.strip()!r} names no device after ':'")
-            if device.strip().isdigit():  # "lstm0:vgpu:1" splits as ("lstm0:vgpu", "1")
+            if device.strip().isdigit() and ":" in layers:  # "lstm0:vgpu:1" splits as ("lstm0:vgpu", "1")
                 layers, device = layers.rsplit(":", 1)[0], layers.rsplit(":", 1)[1] + ":" + device
-            for name in _expand(layers):
+            for name in _expand(layers, limit=len(model.layer_names)):
                 if name in assignment:
                     raise ValueError(f"layer {name!r} is placed twice ({assignment[name]} and "
                                      f"{device.strip()}); give each layer one device")
@@ -118,8 +121,9 @@ class Placement:
         return isinstance(other, Placement) and self.assignment == other.assignment
 
 
-def _expand(layers: str) -> list[str]:
-    """'embed, lstm0-2' -> ['embed', 'lstm0', 'lstm1', 'lstm2']."""
+def _expand(layers: str, limit: int | None = None) -> list[str]:
+    """'embed, lstm0-2' -> ['embed', 'lstm0', 'lstm1', 'lstm2']; a range over `limit` names is refused
+    before it is spelled out (lstm0-999999999 would take minutes and gigabytes)."""
     names = []
     for item in layers.split(","):
         item = item.strip()
@@ -130,6 +134,9 @@ def _expand(layers: str) -> list[str]:
             prefix, lo, hi = match.group(1), int(match.group(2)), int(match.group(3))
             if hi < lo:
                 raise ValueError(f"layer range {item!r} runs backwards; write {prefix}{hi}-{lo}")
+            if limit is not None and hi - lo >= limit:
+                raise ValueError(f"layer range {item!r} is wider than the model, which has {limit} layers; "
+                                 f"write a range such as {prefix}0-1")
             names += [f"{prefix}{k}" for k in range(lo, hi + 1)]
         else:
             names.append(item)

@@ -203,7 +203,7 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
             ptr = t.untyped_storage().data_ptr()
             if ptr not in params:                       # weights are param_bytes, not activations
                 storages[ptr] = t.untyped_storage().nbytes()
-            return t
+            return t.detach()   # the saved tensor itself would make a cycle that only backward breaks
 
         inputs.append(x)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

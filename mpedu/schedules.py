@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 KINDS = "FBW"
+MAX_UNITS = 2**16      # (micro-batch, chunk) units per step: far beyond any batch this course uses
 _ACTION_RE = re.compile(r"^(\d+)([FBW])(\d+)(?:\.(\d+))?$")
 
 
@@ -318,7 +319,8 @@ def zb1(stage_devices, m: int) -> Schedule:
     """
     n = len(stage_devices)
     if len(set(stage_devices)) != n:
-        raise ValueError(f"zb1 needs one stage per device, got stage devices {list(stage_devices)}")
+        raise ValueError(f"the zb1 schedule needs one stage per device, got stage devices {list(stage_devices)}; "
+                         "use schedule='gpipe' for a placement where a device holds several stages")
     rows: list[list[Action]] = [[] for _ in range(n)]
     for s in range(n):
         row = rows[stage_devices[s]]
@@ -348,7 +350,7 @@ def wavefront(stage_devices, m: int, chunks: int = 2) -> Schedule:
         stage 1        F0.0  F0.1  F0.2| B0.2  B0.1  B0.0
     """
     n = len(stage_devices)
-    if not isinstance(chunks, int) or chunks < 1:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a whole number >= 1, got {chunks!r}")
     units = [(i, c) for i in range(m) for c in range(chunks)]
     fwd = sorted((u + s, s, u) for s in range(n) for u in range(len(units)))
@@ -376,8 +378,12 @@ def make(name: str, stage_devices, m: int, chunks: int = 1) -> Schedule:
     key = aliases.get(key, key)
     if key not in GENERATORS:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(GENERATORS)}")
-    if not isinstance(m, int) or m < 1:
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"micro_batches must be a whole number >= 1, got {m!r}")
+    if isinstance(chunks, int) and m * chunks > MAX_UNITS:
+        # writing down a schedule of 2**70 actions would never finish: refuse it first
+        raise ValueError(f"micro_batches={m} x chunks={chunks} is more than the {MAX_UNITS:,} pieces a step may "
+                         "be cut into; a batch of B sentences splits into at most B micro-batches")
     if key == "wavefront":
         return wavefront(list(stage_devices), m, chunks).validate()
     if chunks != 1:

@@ -96,7 +96,7 @@ def test_only_divisors_of_the_batch_are_offered(explorer):
      "vgpu:1 holds no layer"),
     (lambda ex: setattr(ex.device_count, "value", 6), "6 devices but only 5 layers"),
     (lambda ex: (moved(ex, "lstm0", "vgpu:1"), setattr(ex.schedule_menu, "value", "zb1")),
-     "zb1 needs one stage per device"),
+     "zb1 schedule needs one stage per device"),
     (lambda ex: setattr(ex.schedule_menu, "value", "interleaved"), "interleaved needs each of the p devices"),
 ])
 def test_invalid_choices_show_a_message_not_a_traceback(explorer, change, words):
