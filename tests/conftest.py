@@ -25,6 +25,16 @@ def tiny_model(num_layers=3, seed=0, **overrides):
     return LSTMLM.from_config("tiny", VOCAB, num_layers=num_layers, **overrides)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: tiny ops gain little from two, and two threads stall
+    badly (10x) when other work shares the cores, as on a busy CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def batch():
     return make_batch()

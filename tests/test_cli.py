@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import mpedu.__main__ as cli
 from mpedu.__main__ import main
@@ -20,14 +19,7 @@ QUICK = ["--config", "tiny", "--epochs", "1", "--limit-batches", "4", "--batch-s
 KEYS = {"config", "epochs", "train_ppl", "valid_ppl", "test_ppl", "tokens_per_s"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # One intra-op thread: these tiny ops gain little from two, and two threads stall
-    # badly (10x) when other work shares the cores, as on a busy CI machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 
 
 def run(capsys, *args):

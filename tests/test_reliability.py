@@ -36,13 +36,7 @@ OTHER_TWO = "embed:vgpu0 | lstm0,lstm1,decode:vgpu1"
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # One intra-op thread, as in test_train: the tiny ops stall badly when threads fight for 2 cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,7 @@ from mpedu.train import (CheckpointError, History, SingleDevice, evaluate, fit_w
 training = importlib.import_module("mpedu.train")  # the module: `mpedu.train` is also the function
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # One intra-op thread: these tiny ops gain little from two, and two threads stall
-    # badly (10x) when other work shares the cores, as on a busy CI machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 
 
 @pytest.fixture(scope="module")
