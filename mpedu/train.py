@@ -1,4 +1,4 @@
-"""Training loop, perplexity, numeric-fault checks, and the single-device runner every pipeline must match."""
+"""Training loop, perplexity, and the single-device runner every pipeline must match."""
 from __future__ import annotations
 
 import bisect
@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 # Checkpoints live in mpedu.checkpoint; these names stay importable from here for older code.
 from .checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, CheckpointError, load_checkpoint,  # noqa: F401
                          load_model, remove_stale_temp, save_checkpoint, save_model, set_rng_state)
+from .faults import NumericFault, all_finite, find_fault  # noqa: F401  (NumericFault: raised by train)
 from .model import LSTMLM, detach_state, nll_sum
 
 # Defaults, chosen so `python -m mpedu train` (tiny model, embedded corpus) takes about two
@@ -225,106 +226,6 @@ def _format_epoch(r: dict, epochs: int) -> str:
     skipped = f"  ({r['skipped_batches']} bad batches skipped)" if r.get("skipped_batches") else ""
     return (f"epoch {r['epoch']:>3}/{epochs}  train ppl {r['train_ppl']:9.2f}  valid ppl {r['valid_ppl']:9.2f}  "
             f"lr {r['lr']:<8.4g} {r['tokens_per_s']:>9,.0f} tok/s  {r['seconds']:6.1f} s{skipped}")
-
-
-# ---------------------------------------------------------------- numeric faults
-
-class NumericFault(FloatingPointError):
-    """A NaN or inf in a step: the loss, a gradient or a weight. Names the step, the layer and,
-    in a pipeline, its stage and device (attributes `step`, `layer`, `stage`, `device`)."""
-
-    def __init__(self, message: str, *, step: int | None = None, layer: str | None = None, stage: int | None = None,
-                 device: str | None = None):
-        super().__init__(message)
-        self.step, self.layer, self.stage, self.device = step, layer, stage, device
-
-
-@dataclass
-class Fault:
-    """Where a non-finite number first shows: `layer`, and what is wrong there."""
-
-    layer: str | None
-    what: str
-    stage: int | None = None
-    device: str | None = None
-    in_weights: bool = False      # the weights themselves are non-finite: no later batch can be good
-
-    def __str__(self) -> str:
-        if self.layer is None:
-            return self.what
-        where = f"stage {self.stage} on {self.device}" if self.stage is not None else f"on {self.device}"
-        return f"layer {self.layer} ({where}): {self.what}"
-
-
-def all_finite(tensors) -> bool:
-    """True when no tensor holds a NaN or inf. One reduction per tensor, one sync per device."""
-    by_device: dict = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
-    return all(bool(torch.stack(flags).all()) for flags in by_device.values())
-
-
-def _describe_bad(t: torch.Tensor) -> str:
-    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-    parts = [f"{nan:,} nan" if nan else "", f"{inf:,} inf" if inf else ""]
-    return " and ".join(p for p in parts if p) + f" of {t.numel():,} values"
-
-
-def find_fault(model: LSTMLM, runner=None, batch=None) -> Fault:
-    """Which layer a non-finite loss or gradient comes from, looked for in the order it spreads:
-
-    1. a weight that is already NaN/inf (every later step fails too);
-    2. the first layer whose output is not finite, running `batch` forward again layer by layer
-       (from a fresh recurrent state, with the generators put back afterwards);
-    3. the gradients: backward runs from the last layer to the first, so the last layer in
-       model order whose weight gradient is not finite is where it started.
-    Only called after a bad step, so a healthy step pays nothing for it.
-    """
-    def fault(layer, what, **kw):
-        stage, device = _locate(runner, model, layer)
-        return Fault(layer, what, stage, device, **kw)
-
-    for name in model.layer_names:
-        for pname, p in model.layers[name].named_parameters():
-            if not all_finite([p.detach()]):
-                return fault(name, f"its weight {pname} holds {_describe_bad(p.detach())}", in_weights=True)
-    if batch is not None:
-        found = _first_bad_output(model, batch)
-        if found is not None:
-            return fault(*found)
-    for name in reversed(model.layer_names):
-        for pname, p in model.layers[name].named_parameters():
-            if p.grad is not None and not all_finite([p.grad]):
-                return fault(name, f"the gradient of {pname} holds {_describe_bad(p.grad)} (its forward output "
-                                   "was finite: the backward overflowed)")
-    return Fault(None, "every weight, output and gradient was finite when checked again (from a fresh "
-                       "recurrent state); the step's result was not")
-
-
-def _first_bad_output(model: LSTMLM, batch):
-    rng_devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-    with torch.no_grad(), torch.random.fork_rng(devices=rng_devices):
-        x = batch.inputs
-        for name in model.layer_names:
-            layer = model.layers[name]
-            x, _ = layer(x.to(next(layer.parameters()).device))
-            if x.is_floating_point() and not all_finite([x]):
-                return name, f"its output holds {_describe_bad(x)} though its input and weights are finite"
-        loss = nll_sum(x, batch.targets.to(x.device))
-        if not all_finite([loss]):
-            return model.layer_names[-1], f"the loss is {loss.item()} though the logits are finite"
-    return None
-
-
-def _locate(runner, model, layer: str) -> tuple[int | None, str]:
-    """(stage index, device name) of a layer: from the pipeline's placement, else the runner's device."""
-    placement = getattr(runner, "placement", None)
-    if placement is not None and hasattr(placement, "stages"):
-        for s, (dev, names) in enumerate(placement.stages):
-            if layer in names:
-                return s, str(dev)
-    device = getattr(runner, "device", None) or next(model.layers[layer].parameters()).device
-    return None, str(device)
 
 
 # ---------------------------------------------------------------- checking arguments
