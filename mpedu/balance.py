@@ -46,22 +46,34 @@ def _check(values, what, names):
 
 
 def _min_max_split(costs, p, memory=None, cap=None) -> list[int] | None:
-    """The DP. best[k][j]: the smallest possible largest-stage cost when the first j layers
-    form k stages; cut[k][j] the start of the k-th stage in that split. None: nothing fits."""
-    n, inf = len(costs), float("inf")
+    """Layer counts minimising the largest stage cost, each stage's memory under `cap`; None: nothing fits."""
     S, M = [0.0], [0.0]                                 # prefix sums: stage i..j-1 costs S[j] - S[i]
-    for k in range(n):
+    for k in range(len(costs)):
         S.append(S[-1] + costs[k])
         M.append(M[-1] + (memory[k] if memory is not None else 0.0))
+    inf = float("inf")
+    found = min_max_split(len(costs), p, lambda i, j, k: (
+        inf if cap is not None and _over(M[j] - M[i], cap) else S[j] - S[i]))
+    return found[1] if found is not None else None
+
+
+def min_max_split(n: int, p: int, cost) -> tuple[float, list[int]] | None:
+    """The DP behind every partition here: cut n layers into p contiguous non-empty stages so the
+    largest cost(i, j, k) (stage k holds layers i..j-1; inf = not allowed) is as small as possible.
+
+    best[k][j]: the smallest possible largest-stage cost when the first j layers form k stages;
+    cut[k][j] the start of the k-th stage in that split. Returns (that cost, layer counts per
+    stage), or None when every split has a stage that is not allowed."""
+    inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(p + 1)]
     cut = [[0] * (n + 1) for _ in range(p + 1)]
     best[0][0] = 0.0
     for k in range(1, p + 1):
         for j in range(k, n - (p - k) + 1):             # leave at least one layer per later stage
             for i in range(k - 1, j):
-                if best[k - 1][i] == inf or (cap is not None and _over(M[j] - M[i], cap)):
+                if best[k - 1][i] == inf:
                     continue
-                value = max(best[k - 1][i], S[j] - S[i])
+                value = max(best[k - 1][i], cost(i, j, k - 1))
                 if value < best[k][j]:
                     best[k][j], cut[k][j] = value, i
     if best[p][n] == inf:
@@ -70,7 +82,7 @@ def _min_max_split(costs, p, memory=None, cap=None) -> list[int] | None:
     for k in range(p, 0, -1):
         counts.append(j - cut[k][j])
         j = cut[k][j]
-    return counts[::-1]
+    return best[p][n], counts[::-1]
 
 
 def _fits_or_explain(memory, p, cap, names) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from . import schedules
 from .devices import Device, format_size, get_device, list_devices, parse_size
+from .balance import min_max_split
 from .placement import Placement
 from .schedules import Action, Schedule
 from .train import check_batch
@@ -109,10 +110,11 @@ def _what_fits(pipe, plan) -> str:
             return (f"No placement over {p} devices fits, and this machine offers too few devices of "
                     f"this kind to spread the layers further; raise the cap." + _fewer_in_flight_hint(pipe))
         units, limits = _units_per_stage(pipe, q), caps + [smallest] * (q - p)
-        counts = _min_ratio_split(n, q, lambda i, j, k: (
+        found = min_max_split(n, q, lambda i, j, k: (
             need(i, j, devices[k], units[k]).total / limits[k] if limits[k] else 0.0))
-        if counts is None:
+        if found is None or found[0] > 1.0:      # some device would hold more than its cap
             continue
+        counts = found[1]
         starts = [sum(counts[:k]) for k in range(q)]
         fits = Placement(names, {name: devices[k] for k in range(q)
                                  for name in names[starts[k]:starts[k] + counts[k]]})
@@ -203,30 +205,6 @@ def _one_row(units: int) -> Schedule:
     """A one-device schedule that holds `units` forwards before their backwards (for estimates)."""
     row = [Action("F", 0, i) for i in range(units)] + [Action("B", 0, i) for i in range(units)]
     return Schedule("estimate", (0,), max(units, 1), [row])
-
-
-def _min_ratio_split(n: int, q: int, ratio) -> list[int] | None:
-    """Layer counts for q contiguous non-empty stages minimising the largest ratio(i, j, k)
-    (stage k holds layers i..j-1), when that is <= 1; None when no split has every ratio <= 1."""
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(q + 1)]
-    cut = [[0] * (n + 1) for _ in range(q + 1)]
-    best[0][0] = 0.0
-    for k in range(1, q + 1):
-        for j in range(k, n - (q - k) + 1):
-            for i in range(k - 1, j):
-                if best[k - 1][i] == inf:
-                    continue
-                value = max(best[k - 1][i], ratio(i, j, k - 1))
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    if best[q][n] > 1.0:
-        return None
-    counts, j = [], n
-    for k in range(q, 0, -1):
-        counts.append(j - cut[k][j])
-        j = cut[k][j]
-    return counts[::-1]
 
 
 def parse_caps(memory_cap, devices: list[Device]) -> dict[str, int]:

@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from .__main__ import _positive_float, _positive_int   # the same argument checks as `python -m mpedu`
+from .__main__ import _count, _non_negative_float, _positive_float, _positive_int  # the same checks as `python -m mpedu`
 from .devices import Device
 from .model import CONFIGS, Decode, Embed, LSTMLayer, nll_sum
 from .placement import Placement, _expand
@@ -687,9 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"sentences per batch (default: {BATCH_SIZE})")
     t.add_argument("--lr", type=_positive_float, default=LR,
                    help=f"SGD learning rate, halved when validation perplexity gains < 1 (default: {LR:g})")
-    t.add_argument("--clip", type=float, default=CLIP,
+    t.add_argument("--clip", type=_non_negative_float, default=CLIP,
                    help=f"gradient-norm clip over all ranks' gradients, 0 for none (default: {CLIP})")
-    t.add_argument("--seed", type=int, default=0, help="seeds initialisation, dropout and data order (default: 0)")
+    t.add_argument("--seed", type=_count, default=0, help="seeds initialisation, dropout and data order (default: 0)")
     t.add_argument("--out", default="runs/distributed", metavar="DIR",
                    help="where rank 0 writes model.pt and timeline.json (default: runs/distributed)")
     t.add_argument("--limit-batches", type=_positive_int, metavar="N",
