@@ -32,9 +32,12 @@ def median_time(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def paired_times(runs: dict, repeats: int, warmup: int = 2) -> dict:
-    """Median seconds of each callable, timed in turn round after round (A B C A B C ...), so
-    a machine whose speed drifts during the benchmark affects every run alike."""
+def paired_rounds(runs: dict, repeats: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds of each callable per round, timed in turn round after round (A B C A B C ...).
+
+    Compare runs by `median_ratio` of the same rounds: a machine whose speed drifts
+    (other tenants on a shared host) then slows both sides of each ratio alike.
+    """
     for _ in range(warmup):
         for fn in runs.values():
             fn()
@@ -44,7 +47,12 @@ def paired_times(runs: dict, repeats: int, warmup: int = 2) -> dict:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median over rounds of numerator / denominator (both timed in the same round)."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
 
 
 def machine() -> dict:

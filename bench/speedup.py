@@ -1,6 +1,6 @@
 """Pipelined vs one device, and mpedu's one device vs the same network as a plain PyTorch module.
 
-    python bench/speedup.py [--repeats 5]
+    python bench/speedup.py [--repeats 9]
 
 One virtual device is one CPU core (its worker runs torch single-threaded), so
 "1 vs 2 devices" is one core vs two. Both runs use the same micro-batches (GPipe,
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, machine, paired_times, random_batch  # noqa: E402
+from common import finish, machine, median_ratio, paired_rounds, random_batch  # noqa: E402
 
 from mpedu.model import LSTMLM, LMConfig, nll_sum  # noqa: E402
 from mpedu.pipeline import Pipeline  # noqa: E402
@@ -60,7 +60,7 @@ def balanced_split(model, batch) -> tuple[Placement, list[float]]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)   # the plain module gets one core, like one virtual device
@@ -85,14 +85,15 @@ def main(argv=None):
             Pipeline(model, placement, "gpipe", M) as two, \
             Pipeline(model, Placement.single(model), "naive", 1) as whole:
         # the runs take turns, round after round, so drifting machine speed hits all alike
-        times = paired_times({"one": stepper(one), "two": stepper(two), "whole": stepper(whole),
-                              "plain": plain_step}, args.repeats)
+        rounds = paired_rounds({"one": stepper(one), "two": stepper(two), "whole": stepper(whole),
+                                "plain": plain_step}, args.repeats)
         bubble = two.train_step(batch).timeline.bubble_fraction
-    t1, t2, t_mpedu, t_plain = times["one"], times["two"], times["whole"], times["plain"]
+    t1, t2, t_mpedu, t_plain = (statistics.median(rounds[k]) for k in ("one", "two", "whole", "plain"))
 
     p = 2
     ideal = M * p / (M + p - 1)
-    speedup = t1 / t2
+    speedup = median_ratio(rounds["one"], rounds["two"])
+    vs_plain = median_ratio(rounds["plain"], rounds["whole"])
     tokens = batch.tokens
     rows = [("1 virtual device, GPipe m=8", t1), ("2 virtual devices, GPipe m=8", t2),
             ("mpedu, 1 device, whole batch", t_mpedu), ("plain PyTorch module, 1 thread", t_plain)]
@@ -105,12 +106,13 @@ def main(argv=None):
     for name, t in rows:
         print(f"{name:<34}{t * 1e3:>12.1f}{tokens / t:>12.0f}")
     print(f"speedup {speedup:.2f}x, ideal {ideal:.2f}x, efficiency {speedup / ideal:.2f}, "
-          f"measured bubble {bubble:.1%}; mpedu vs plain torch {t_plain / t_mpedu:.2f}")
+          f"measured bubble {bubble:.1%}; mpedu vs plain torch {vs_plain:.2f}")
+    print(f"(ratios are medians over {args.repeats} rounds of the runs timed in turn)")
     finish("speedup", {"benchmark": "speedup", "placement": str(placement), "micro_batches": M,
                        "step_s_1_device": t1, "step_s_2_devices": t2, "speedup": speedup, "ideal": ideal,
                        "efficiency": speedup / ideal, "bubble_fraction": bubble,
                        "tokens_per_s_mpedu": tokens / t_mpedu, "tokens_per_s_plain": tokens / t_plain,
-                       "vs_plain_torch": t_plain / t_mpedu, "machine": machine()})
+                       "vs_plain_torch": vs_plain, "rounds": args.repeats, "machine": machine()})
 
 
 if __name__ == "__main__":

@@ -27,8 +27,11 @@ class _Mailbox:
     """Tensors in flight between stages, keyed by (what, stage, micro-batch, chunk).
 
     A receive waits until its tensor arrives or the step is aborted, so a failure
-    anywhere wakes everyone up and no worker stays blocked. Each waiting receive has
-    its own Event, so a send wakes exactly the one device that waits for it.
+    anywhere wakes everyone up and no worker stays blocked. A waiting receive parks
+    on its own lock (held, so acquiring it blocks); the send that fills its key
+    releases that lock, waking exactly the one device that waits. A bare lock is
+    the cheapest hand-off CPython has: this sits on the critical path of every
+    transfer.
     """
 
     def __init__(self):
@@ -42,7 +45,7 @@ class _Mailbox:
             self._items[key] = value
             waiter = self._waiting.pop(key, None)
         if waiter is not None:
-            waiter.set()
+            waiter.release()
 
     def get(self, key):
         with self._lock:
@@ -50,8 +53,9 @@ class _Mailbox:
                 return self._items.pop(key)
             if self.aborted:
                 raise _Aborted
-            waiter = self._waiting[key] = threading.Event()
-        waiter.wait()
+            waiter = self._waiting[key] = threading.Lock()
+            waiter.acquire()
+        waiter.acquire()          # blocks until put() or abort() releases it
         with self._lock:
             if key in self._items:
                 return self._items.pop(key)
@@ -62,7 +66,7 @@ class _Mailbox:
             self.aborted = True
             waiters, self._waiting = list(self._waiting.values()), {}
         for waiter in waiters:
-            waiter.set()
+            waiter.release()
 
 
 class _Clock:
@@ -221,8 +225,7 @@ class Pipeline:
         if train and self.memory_cap and not plan.memory_checked:
             capacity.check_memory(self, batch, plan)       # before the step: nothing has run yet
         plan.steps += 1
-        micro = [[(mb.inputs[lo:hi], mb.targets[lo:hi]) for lo, hi in plan.chunk_bounds]
-                 for mb in batch.split(self.micro_batches)]
+        micro = _micro_batches(batch, self.micro_batches, plan.chunk_bounds)
         tokens = int(batch.tokens)
         if tokens == 0:
             raise ValueError("the batch has no real (non-padding) target tokens")
@@ -254,7 +257,7 @@ class Pipeline:
             self._carry_shape = None
             raise
         last = self.stages[-1]
-        nll = float(sum(v.double().item() for v in last.nll.values()))
+        nll = float(torch.stack(list(last.nll.values())).double().sum())   # one sync, not one per micro-batch
         if train:
             for stage in self.stages:
                 stage.saved.clear()
@@ -264,27 +267,33 @@ class Pipeline:
     def _device_job(self, d: int, row: list[Action], micro, scale: float, train: bool,
                     mailbox: _Mailbox, timeline: Timeline, t0: float):
         device = self.devices[d]
+        here = device.torch_device
         stages, last = self.stages, len(self.stages) - 1
+        homes = [stage.device.torch_device for stage in stages]
         split = self.schedule.split_backward
 
         def send(tensor, kind, src: int, dst: int, a: Action, clock, marks):
             """Hand `tensor` from stage src to stage dst (always another device)."""
             start = clock.mark()
-            moved = tensor.detach().to(stages[dst].device.torch_device, non_blocking=True)
+            moved = tensor.detach()
             ready = None
-            if moved.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
+            if homes[dst] != here:                    # another GPU (virtual devices share the CPU's memory)
+                moved = moved.to(homes[dst], non_blocking=True)
+                if moved.is_cuda or tensor.is_cuda:    # the copy is queued on this device's stream
+                    ready = torch.cuda.Event()
+                    ready.record()
             end = clock.mark()
             marks.append(("send", src, a, start, end, _nbytes(tensor), stages[dst].device.name, 0))
             mailbox.put((kind, dst, a.mb, a.chunk), (moved, ready))
 
         def receive(kind, a: Action):
             moved, ready = mailbox.get((kind, a.stage, a.mb, a.chunk))
-            if ready is not None:  # make this device's stream wait for the copy
+            if ready is not None and moved.is_cuda:   # make this device's stream wait for the copy
                 stream = torch.cuda.current_stream()
                 stream.wait_event(ready)
                 moved.record_stream(stream)
+            elif ready is not None:                   # GPU -> CPU: the host must wait for the copy itself
+                ready.synchronize()
             return moved
 
         def job():
@@ -297,8 +306,13 @@ class Pipeline:
                     stage = stages[a.stage]
                     inputs, targets = micro[a.mb][a.chunk]          # (t, b) slices of the batch
                     if a.kind == "F":
-                        x = inputs.to(device.torch_device) if a.stage == 0 else receive("act", a)
-                        targets = targets.to(device.torch_device) if a.stage == last else None
+                        # (the device checks skip a torch call per action on virtual devices)
+                        x = (inputs if inputs.device == here else inputs.to(here)) if a.stage == 0 \
+                            else receive("act", a)
+                        if a.stage != last:
+                            targets = None
+                        elif targets.device != here:
+                            targets = targets.to(here)
                         start = clock.mark()
                         out = stage.forward(a.mb, a.chunk, x, targets, scale, train=train)
                         held = stage.saved_bytes(a.mb, a.chunk)
@@ -360,6 +374,21 @@ def _as_placement(placement, model) -> Placement:
         return Placement.even(model, get_devices(placement))
     raise TypeError(f"placement must be a Placement, a string like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1', "
                     f"a dict or a device count; got {type(placement).__name__}")
+
+
+def _micro_batches(batch, m: int, chunk_bounds) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per micro-batch i and time chunk c, (inputs, targets) of shape (t, B/m): the same columns
+    as batch.split(m), made with a few whole-batch ops instead of a few per micro-batch (this
+    runs every step, and its cost is paid before any device starts)."""
+    T, B = batch.inputs.shape
+    sizes = [hi - lo for lo, hi in chunk_bounds]
+    pieces = []
+    for x in (batch.inputs, batch.targets):
+        # (T, B) -> (m, T, B/m): micro-batch i is a contiguous (T, B/m) block, its chunks row ranges
+        blocks = x.reshape(T, m, B // m).transpose(0, 1).contiguous()
+        pieces.append([chunk.unbind(0) for chunk in blocks.split(sizes, dim=1)])   # [c][i]: (t, B/m)
+    inputs, targets = pieces
+    return [[(inputs[c][i], targets[c][i]) for c in range(len(sizes))] for i in range(m)]
 
 
 def _wait_uninterrupted(futures) -> None:

@@ -73,9 +73,10 @@ class Stage:
         storages: dict[int, int] = {}
 
         def pack(t):  # count each activation storage autograd keeps (weights are not activations)
-            ptr = t.untyped_storage().data_ptr()
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
             if ptr not in self._param_storages:
-                storages[ptr] = t.untyped_storage().nbytes()
+                storages[ptr] = storage.nbytes()
             # Detached (same storage, no history): an output saved as itself would point back at its
             # own grad_fn, a cycle only backward breaks; a step that fails before its backward would
             # then leak the whole graph (bench/soak.py measured 0.4 MB per failed step).

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)     # not frozen: a frozen dataclass is 5x slower to build, and a step builds hundreds
 class Event:
     """One box on a device's row. Times are seconds from the start of the step.
 

@@ -1,6 +1,7 @@
 """Gantt charts, side-by-side timelines, Chrome traces and saved files, checked through their data."""
 import json
 import threading
+from dataclasses import replace
 
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -110,7 +111,7 @@ def test_plotting_works_off_the_main_thread():
 
 def test_predicted_and_measured_stack_on_one_time_axis():
     fast, slow = gpipe_by_hand(), gpipe_by_hand()
-    slow.events = [Event(**{**e.__dict__, "start": 2 * e.start, "end": 2 * e.end}) for e in slow.events]
+    slow.events = [replace(e, start=2 * e.start, end=2 * e.end) for e in slow.events]
     fig = plot_timelines([fast, slow], titles=["predicted", "measured"])
     top, bottom = fig.axes
     assert top.get_xlim() == bottom.get_xlim() == (0.0, 18e3)
