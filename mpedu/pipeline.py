@@ -279,9 +279,11 @@ class Pipeline:
             ready = None
             if homes[dst] != here:                    # another GPU (virtual devices share the CPU's memory)
                 moved = moved.to(homes[dst], non_blocking=True)
-                if moved.is_cuda or tensor.is_cuda:    # the copy is queued on this device's stream
+                if moved.is_cuda or tensor.is_cuda:
+                    # the copy is queued on the source GPU's current stream (this worker's), or on
+                    # the target GPU's when the source is the CPU; mark its end there
                     ready = torch.cuda.Event()
-                    ready.record()
+                    ready.record(torch.cuda.current_stream(tensor.device if tensor.is_cuda else moved.device))
             end = clock.mark()
             marks.append(("send", src, a, start, end, _nbytes(tensor), stages[dst].device.name, 0))
             mailbox.put((kind, dst, a.mb, a.chunk), (moved, ready))
