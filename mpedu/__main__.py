@@ -79,6 +79,22 @@ def _memory_cap(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def add_training_options(parser: argparse.ArgumentParser, clip_over: str) -> None:
+    """The options every `train` command takes (here and under torchrun), with the same checks."""
+    parser.add_argument("--data", metavar="DIR", help="folder with ptb.train.txt, ptb.valid.txt and ptb.test.txt "
+                        "(default: the embedded synthetic corpus)")
+    parser.add_argument("--config", choices=list(CONFIGS), default=CONFIG, help=f"model size (default: {CONFIG})")
+    parser.add_argument("--epochs", type=_positive_int, default=EPOCHS, help=f"default: {EPOCHS}")
+    parser.add_argument("--batch-size", type=_positive_int, default=BATCH_SIZE, metavar="B",
+                        help=f"sentences per batch (default: {BATCH_SIZE})")
+    parser.add_argument("--lr", type=_positive_float, default=LR,
+                        help=f"SGD learning rate, halved when validation perplexity gains < 1 (default: {LR:g})")
+    parser.add_argument("--clip", type=_non_negative_float, default=CLIP,
+                        help=f"norm clip over {clip_over}, 0 for none (default: {CLIP})")
+    parser.add_argument("--seed", type=_count, default=0,
+                        help="seeds initialisation, dropout and data order (default: 0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpedu", description="Model-parallel (pipeline) training of a stacked LSTM language model. "
@@ -88,19 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = commands.add_parser("train", help="train the language model (default: 2 virtual devices, GPipe)",
                             epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                             description="Train, print one line per epoch, save checkpoint.pt and model.pt in --out.")
-    t.add_argument("--data", metavar="DIR", help="folder with ptb.train.txt, ptb.valid.txt and ptb.test.txt "
-                   "(default: the embedded synthetic corpus)")
-    t.add_argument("--config", choices=list(CONFIGS), default=CONFIG,
-                   help=f"model size (default: {CONFIG})")
-    t.add_argument("--epochs", type=_positive_int, default=EPOCHS,
-                   help=f"default: {EPOCHS}")
-    t.add_argument("--batch-size", type=_positive_int, default=BATCH_SIZE, metavar="B",
-                   help=f"sentences per batch (default: {BATCH_SIZE})")
-    t.add_argument("--lr", type=_positive_float, default=LR,
-                   help=f"SGD learning rate, halved when validation perplexity gains < 1 (default: {LR:g})")
-    t.add_argument("--clip", type=_non_negative_float, default=CLIP,
-                   help=f"gradient-norm clip, 0 for none (default: {CLIP})")
-    t.add_argument("--seed", type=_count, default=0, help="seeds initialisation, dropout and data order (default: 0)")
+    add_training_options(t, clip_over="the gradients")
     t.add_argument("--bptt", type=_positive_int, metavar="T",
                    help="stream mode: cut the text into T-step chunks and carry the LSTM state across batches")
     t.add_argument("--out", default="runs/latest", metavar="DIR",

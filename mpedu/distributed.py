@@ -52,12 +52,12 @@ from torch import nn
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from .__main__ import _count, _non_negative_float, _positive_float, _positive_int  # the same checks as `python -m mpedu`
+from .__main__ import _positive_float, _positive_int, add_training_options   # the same checks as `python -m mpedu`
 from .devices import Device
 from .model import CONFIGS, Decode, Embed, LSTMLayer, nll_sum
 from .placement import Placement, _expand
 from .timeline import Event, Timeline
-from .train import BATCH_SIZE, CLIP, CONFIG, EPOCHS, LR, StepResult, fit_width, save_model
+from .train import CONFIG, StepResult, fit_width, save_model
 from .train import train as fit   # (`from . import train` would give the function: mpedu exports it)
 
 FAIL_ENV = "MPEDU_DIST_FAIL_RANK"   # tests: this rank raises in its first stage forward
@@ -678,18 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Train; rank 0 prints one line per epoch and writes model.pt and "
                                         "timeline.json (the last step, every rank) in --out. Not offered: "
                                         "--bptt (state cannot cross ranks) and --resume.")
-    t.add_argument("--data", metavar="DIR", help="folder with ptb.train.txt, ptb.valid.txt and ptb.test.txt "
-                   "(default: the embedded synthetic corpus)")
-    t.add_argument("--config", choices=list(CONFIGS), default=CONFIG,
-                   help=f"model size (default: {CONFIG})")
-    t.add_argument("--epochs", type=_positive_int, default=EPOCHS, help=f"default: {EPOCHS}")
-    t.add_argument("--batch-size", type=_positive_int, default=BATCH_SIZE, metavar="B",
-                   help=f"sentences per batch (default: {BATCH_SIZE})")
-    t.add_argument("--lr", type=_positive_float, default=LR,
-                   help=f"SGD learning rate, halved when validation perplexity gains < 1 (default: {LR:g})")
-    t.add_argument("--clip", type=_non_negative_float, default=CLIP,
-                   help=f"gradient-norm clip over all ranks' gradients, 0 for none (default: {CLIP})")
-    t.add_argument("--seed", type=_count, default=0, help="seeds initialisation, dropout and data order (default: 0)")
+    add_training_options(t, clip_over="all ranks' gradients")
     t.add_argument("--out", default="runs/distributed", metavar="DIR",
                    help="where rank 0 writes model.pt and timeline.json (default: runs/distributed)")
     t.add_argument("--limit-batches", type=_positive_int, metavar="N",
