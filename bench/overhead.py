@@ -1,6 +1,6 @@
 """Runtime overhead per action, with near-empty stages so bookkeeping is visible.
 
-    python bench/overhead.py [--micro-batches 32] [--repeats 20]
+    python bench/overhead.py [--micro-batches 32] [--repeats 60]
 
 The step's measured timeline says how long each action's own compute took. Playing
 the same actions, in the same order, with those durations and free hand-offs
@@ -54,7 +54,7 @@ def overhead_per_action(pipe, batch, repeats: int) -> tuple[float, float, int]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batches", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=60)   # steps of ~30 ms: a second per run
     args = parser.parse_args(argv)
     m = args.micro_batches
     model = LSTMLM(8, LMConfig(embed_size=1, hidden_size=1, num_layers=2))   # width 1, T = 1: near-empty
