@@ -71,17 +71,7 @@ class Stage:
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)     # boundary: backward stops here
         storages: dict[int, int] = {}
-
-        def pack(t):  # count each activation storage autograd keeps (weights are not activations)
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in self._param_storages:
-                storages[ptr] = storage.nbytes()
-            # Detached (same storage, no history): an output saved as itself would point back at its
-            # own grad_fn, a cycle only backward breaks; a step that fails before its backward would
-            # then leak the whole graph (bench/soak.py measured 0.4 MB per failed step).
-            return t.detach()
-
+        pack = self._counting_hook(storages, x, targets)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
         self.saved[mb, chunk] = _Saved(x if x.requires_grad else None, out, state_in, state_out,
@@ -100,19 +90,32 @@ class Stage:
         per_layer = []
         for k, layer in enumerate(self.layers):
             storages: dict[int, int] = {}
-
-            def pack(t, storages=storages):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in self._param_storages:
-                    storages[ptr] = t.untyped_storage().nbytes()
-                return t.detach()           # no cycle: this graph never runs backward (see forward)
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(self._counting_hook(storages, x, targets), lambda t: t):
                 x, _ = layer(x, None)
                 if self.is_last and k == len(self.layers) - 1:
                     x = nll_sum(x, targets)
             per_layer.append(storages)
         return x, per_layer
+
+    def _counting_hook(self, storages: dict[int, int], x: torch.Tensor, targets: torch.Tensor | None):
+        """A pack hook that records each storage autograd keeps for backward as {address: bytes}.
+
+        Not counted: weights, and the step's token ids and targets (the pipeline holds those for
+        the whole step, cut from one block per batch, so no backward frees them).
+        """
+        data = {t.untyped_storage().data_ptr() for t in (x, targets) if t is not None and not t.is_floating_point()}
+        weights = self._param_storages
+
+        def pack(t):
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in weights and ptr not in data:
+                storages[ptr] = storage.nbytes()
+            # Detached (same storage, no history): an output saved as itself would point back at its
+            # own grad_fn, a cycle only backward breaks; a step that fails before its backward would
+            # then leak the whole graph (bench/soak.py measured 0.4 MB per failed step).
+            return t.detach()
+        return pack
 
     def saved_bytes(self, mb: int, chunk: int = 0) -> int:
         """Activation bytes held for the backward of (mb, chunk); 0 once it has run."""
