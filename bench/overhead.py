@@ -18,7 +18,6 @@ shared rather than of mpedu's hand-offs.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, random_batch  # noqa: E402
 
+from mpedu.devices import usable_cores  # noqa: E402
 from mpedu.model import LSTMLM, LMConfig  # noqa: E402
 from mpedu.pipeline import Pipeline  # noqa: E402
 from mpedu.schedules import run_order  # noqa: E402
@@ -59,7 +59,7 @@ def main(argv=None):
     m = args.micro_batches
     model = LSTMLM(8, LMConfig(embed_size=1, hidden_size=1, num_layers=2))   # width 1, T = 1: near-empty
     batch = random_batch(8, T=1, B=m)
-    cores = os.cpu_count() or 1
+    cores = len(usable_cores())
     rows = []
     for schedule, placement in [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("zb1", 2), ("gpipe", 4)]:
         with Pipeline(model, placement, schedule, micro_batches=m) as pipe:

@@ -37,10 +37,17 @@ class Device:
         return self.name
 
 
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on (a container or `taskset` may allow fewer than the machine has)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def virtual_count() -> int:
     """Virtual devices on offer: one per CPU core, and at least 8 so a learner can try deeper
     pipelines anywhere (beyond the core count they take turns on the cores)."""
-    return max(8, os.cpu_count() or 1)
+    return max(8, len(usable_cores()))
 
 
 def list_devices() -> list[Device]:
@@ -54,9 +61,10 @@ def describe_devices() -> str:
     lines = []
     for d in list_devices():
         if d.virtual:
-            index = int(d.name.split(":")[1])
-            share = "its own core" if index < (os.cpu_count() or 1) else "shares a core with another"
-            lines.append(f"{d.name:>8}  virtual: one worker thread on the CPU ({share}; {os.cpu_count()} cores)")
+            index, cores = int(d.name.split(":")[1]), len(usable_cores())
+            share = "its own core" if index < cores else "shares a core with another"
+            lines.append(f"{d.name:>8}  virtual: one worker thread on the CPU ({share}; {cores} "
+                         f"core{'s' if cores > 1 else ''})")
         else:
             lines.append(f"{d.name:>8}  real: {torch.cuda.get_device_name(d.torch_device)}")
     return "\n".join(lines)

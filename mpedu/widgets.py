@@ -14,7 +14,7 @@ import traitlets
 from matplotlib.figure import Figure
 
 from . import schedules
-from .devices import get_device, get_devices
+from .devices import get_device, get_devices, usable_cores
 from .pipeline import Pipeline
 from .placement import Placement
 from .plot import plot_timeline
@@ -323,7 +323,7 @@ class PipelineExplorer(w.VBox):
         if self.running or self.predicted is None:
             return
         placement, schedule = self._check()
-        steps, cores = steps or self.steps, os.cpu_count() or 1
+        steps, cores = steps or self.steps, len(usable_cores())
         # more virtual devices than cores take turns on them: predict that, to compare like with like
         shared = all(d.virtual for d in placement.devices) and len(placement.devices) > cores
         costs = self._costs_for(schedule.micro_batches, placement.devices[0])

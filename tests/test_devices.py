@@ -1,11 +1,12 @@
 """Devices: real or virtual, listed honestly; workers run jobs in order, single-threaded, concurrently."""
+import os
 import threading
 import time
 
 import pytest
 import torch
 
-from mpedu.devices import Worker, describe_devices, get_device, get_devices, list_devices
+from mpedu.devices import Worker, describe_devices, get_device, get_devices, list_devices, virtual_count
 
 
 def test_virtual_devices_are_listed_as_virtual():
@@ -61,3 +62,18 @@ def test_two_virtual_devices_compute_at_the_same_time():
         for w in workers:
             w.stop()
     assert max(s0, s1) < min(e0, e1), "the two devices never ran at once"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="this OS cannot restrict a process's cores")
+def test_devices_count_the_cores_this_process_may_use_not_the_machines():
+    """Under taskset or a container's CPU set, fewer cores are usable than os.cpu_count() reports."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        text = describe_devices()
+        count = virtual_count()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert "vgpu:0  virtual: one worker thread on the CPU (its own core; 1 core)" in text
+    assert "vgpu:1  virtual: one worker thread on the CPU (shares a core with another; 1 core)" in text
+    assert count == 8, "at least 8 virtual devices, whatever the core count"
