@@ -12,8 +12,8 @@ transfers, splitting the batch, collecting the loss) adds per action.
 The headline `us_per_action` is the worst run whose devices each have a core of
 their own. A run with more virtual devices than cores is printed too, apart
 (`us_per_action_oversubscribed`): its gaps also hold the time its threads wait
-for a free core and for Python's interpreter lock, a cost of the machine being
-shared rather than of mpedu's hand-offs.
+for a free core and for Python's interpreter lock, which grows with the threads
+per core rather than with mpedu's bookkeeping.
 """
 from __future__ import annotations
 

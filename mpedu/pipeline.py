@@ -277,7 +277,7 @@ class Pipeline:
             start = clock.mark()
             moved = tensor.detach()
             ready = None
-            if homes[dst] != here:                    # another GPU (virtual devices share the CPU's memory)
+            if homes[dst] != here:     # a real copy; virtual devices all use the CPU's memory: nothing to move
                 moved = moved.to(homes[dst], non_blocking=True)
                 if moved.is_cuda or tensor.is_cuda:
                     # the copy is queued on the source GPU's current stream (this worker's), or on
