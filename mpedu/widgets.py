@@ -29,6 +29,9 @@ SCHEDULES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe", "1f
 _ESM = r"""
 function render({ model, el }) {
   let focusLayer = null;                  // a chip moved with the arrow keys keeps the keyboard
+  // Redrawing replaces every chip; under a drag that would remove the chip being dragged (and the drop
+  // with it). So a change that arrives mid-drag (the kernel's new notes, say) is drawn when the drag ends.
+  let dragging = false, stale = false;
   const div = (cls, text = "") => Object.assign(document.createElement("div"), { className: cls, textContent: text });
   const move = (layer, device) => {
     const a = { ...model.get("assignment") };
@@ -61,7 +64,8 @@ function render({ model, el }) {
                                                          title: "drag to another device, or press ← / →" });
         chip.dataset.layer = l;
         chip.append(div("mpedu-name", l), div("mpedu-cost", costs[l] || ""));
-        chip.addEventListener("dragstart", (e) => e.dataTransfer.setData("text/plain", l));
+        chip.addEventListener("dragstart", (e) => { dragging = true; e.dataTransfer.setData("text/plain", l); });
+        chip.addEventListener("dragend", () => { dragging = false; if (stale) { stale = false; draw(); } });
         chip.addEventListener("keydown", (e) => {
           const to = devices[k + ({ ArrowLeft: -1, ArrowRight: 1 }[e.key] || 0)];
           if (to && to !== dev) { e.preventDefault(); focusLayer = l; move(l, to); }
@@ -88,10 +92,11 @@ function render({ model, el }) {
     if (focusLayer) el.querySelector(`[data-layer="${focusLayer}"]`)?.focus();
     focusLayer = null;
   };
+  const redraw = () => { if (dragging) stale = true; else draw(); };
   const names = ["layers", "devices", "assignment", "layer_notes", "device_notes", "locked"];
-  names.forEach((n) => model.on(`change:${n}`, draw));
+  names.forEach((n) => model.on(`change:${n}`, redraw));
   draw();
-  return () => names.forEach((n) => model.off(`change:${n}`, draw));
+  return () => names.forEach((n) => model.off(`change:${n}`, redraw));
 }
 export default { render };
 """

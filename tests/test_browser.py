@@ -1,5 +1,6 @@
 """Notebook 04 in a real browser, in each front end the course supports (JupyterLab 4, Notebook 7, Voilà): the
-notebook runs, a layer chip is dragged to another device, the kernel sees it and the timeline redraws."""
+notebook runs, a layer chip is dragged to another device, the kernel sees it and the timeline redraws; a change
+from the kernel during a drag waits for the drag to end."""
 import contextlib
 import importlib.util
 import json
@@ -19,6 +20,7 @@ from typing import NamedTuple
 import pytest
 
 from mpedu.placement import Placement
+from mpedu.widgets import SCHEDULES
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "04_partitioning.ipynb"
@@ -273,6 +275,7 @@ def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(sync_playwri
             page.goto(f"{server.base}{server.front_end.path(NOTEBOOK)}?token={server.token}", wait_until="commit")
             server.front_end.run_all(page, server)
             _drag_a_layer_and_train(page, server)
+            _a_change_during_a_drag_is_drawn_when_it_ends(page, server)
             page.locator(".mpedu-explorer").last.screenshot(path=str(tmp_path / "explorer.png"))   # what a person saw
         except BaseException:
             with contextlib.suppress(Exception):                   # look here when it fails
@@ -290,8 +293,8 @@ def _drag_a_layer_and_train(page, server: Server) -> None:
 
     explorer = page.locator(".mpedu-explorer").last
     explorer.scroll_into_view_if_needed()
-    # The kernel is idle before the page has drawn all it sent (the last cell changes the placement): a
-    # board redrawn under a drag loses the drop, and a late picture would pass for the redraw checked below.
+    # The kernel is idle before the page has drawn all it sent (the last cell changes the placement): wait
+    # for the page, or a late picture would pass for the redraw checked below.
     _wait_for(lambda: _board(explorer) == before["assignment"] and before["placement"] in explorer.inner_text(),
               20, f"the page to show the kernel's placement ({before['placement']})")
     image = explorer.locator("img").first
@@ -323,3 +326,28 @@ def _drag_a_layer_and_train(page, server: Server) -> None:
                      "five trained steps")
     assert len(done["losses"]) == 5
     _wait_for(lambda: image.get_attribute("src") != src, 10, "the measured timeline")
+
+
+def _a_change_during_a_drag_is_drawn_when_it_ends(page, server: Server) -> None:
+    """A redraw replaces every chip, so one that arrived mid-drag would take the dragged chip (and the drop)
+    away. Mid-drag, a new schedule's notes from the kernel must wait; when the drag ends, they are drawn."""
+    explorer = page.locator(".mpedu-explorer").last
+    state, image = server.read_state(), explorer.locator("img").first
+    feet = lambda: explorer.locator(".mpedu-foot").all_inner_texts()   # noqa: E731  (busy and memory per device)
+    old_feet, src = feet(), image.get_attribute("src")
+    chip = explorer.locator(".mpedu-chip").first
+    chip.evaluate("chip => { chip.dataset.probe = 'kept'; }")           # a redraw would drop this mark
+    transfer = page.evaluate_handle("() => new DataTransfer()")
+    chip.dispatch_event("dragstart", {"dataTransfer": transfer})
+
+    new = "1f1b" if state["schedule"] != "1f1b" else "gpipe"            # another peak memory per device
+    explorer.locator("select").first.select_option(label=SCHEDULES[new])
+    _wait_for(lambda: (s := server.read_state()) and s["schedule"] == new, 20, f"the kernel to take {new}")
+    # the kernel sends the board's notes before the picture, so a new picture means the notes have arrived
+    _wait_for(lambda: image.get_attribute("src") != src, 20, f"the {new} timeline")
+    assert explorer.locator(".mpedu-chip[data-probe='kept']").count() == 1, "the board was redrawn mid-drag"
+    assert feet() == old_feet
+
+    chip.dispatch_event("dragend", {"dataTransfer": transfer})
+    _wait_for(lambda: explorer.locator(".mpedu-chip[data-probe='kept']").count() == 0 and feet() != old_feet, 10,
+              "the board to redraw once the drag ended")
