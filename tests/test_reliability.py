@@ -132,10 +132,12 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
 
     for attempt in range(4):
         before, seen = stamp(), position() if ckpt.exists() else None
+        stale = _temp_files(killed)          # the previous kill may have landed inside a write too
         proc = _start(killed, *(["--resume"] if attempt else []), slow=slow)
         if attempt == 1:
             # kill inside the write that would replace the checkpoint: its temp file is there, never renamed
-            assert _wait_for(lambda: _temp_files(killed), proc), "no checkpoint write seen"
+            # (a new one: temp names are random, and a stale one would have the kill land before the resume)
+            assert _wait_for(lambda: set(_temp_files(killed)) - set(stale), proc), "no checkpoint write seen"
             outputs.append(_kill(proc))
             assert _temp_files(killed), "the kill should leave the half-written temp file behind"
             assert position() == seen, "the interrupted write must not have touched checkpoint.pt"
