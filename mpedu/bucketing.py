@@ -41,10 +41,12 @@ class Batch:
             raise ValueError(f"micro_batches={m} {why}; pick a divisor of {B} such as {divisors}. "
                              f"(The last batch of a bucket can be smaller than batch_size; "
                              f"BucketIterator(drop_last=True) keeps every batch full.)")
-        size = B // int(m)
-        cut = lambda x, i: x[:, i * size:(i + 1) * size].contiguous()  # noqa: E731  (T, B/m)
-        return [Batch(cut(self.inputs, i), cut(self.targets, i), cut(self.mask, i), self.bucket, self.carry_state)
-                for i in range(int(m))]
+        m, T = int(m), self.inputs.shape[0]
+        # One copy per tensor, (T, B) -> (m, T, B/m), then views: micro-batch i is the contiguous block i,
+        # columns i*B/m .. (i+1)*B/m - 1. The pipeline splits every batch it runs, so this is on its hot path.
+        cut = lambda x: x.reshape(T, m, B // m).transpose(0, 1).contiguous().unbind(0)  # noqa: E731
+        return [Batch(*parts, self.bucket, self.carry_state)
+                for parts in zip(cut(self.inputs), cut(self.targets), cut(self.mask))]
 
 
 @dataclass

@@ -225,7 +225,8 @@ class Pipeline:
         if train and self.memory_cap and not plan.memory_checked:
             capacity.check_memory(self, batch, plan)       # before the step: nothing has run yet
         plan.steps += 1
-        micro = _micro_batches(batch, self.micro_batches, plan.chunk_bounds)
+        micro = [[(mb.inputs[lo:hi], mb.targets[lo:hi]) for lo, hi in plan.chunk_bounds]
+                 for mb in batch.split(self.micro_batches)]
         tokens = int(batch.tokens)
         if tokens == 0:
             raise ValueError("the batch has no real (non-padding) target tokens")
@@ -376,21 +377,6 @@ def _as_placement(placement, model) -> Placement:
         return Placement.even(model, get_devices(placement))
     raise TypeError(f"placement must be a Placement, a string like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1', "
                     f"a dict or a device count; got {type(placement).__name__}")
-
-
-def _micro_batches(batch, m: int, chunk_bounds) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per micro-batch i and time chunk c, (inputs, targets) of shape (t, B/m): the same columns
-    as batch.split(m), made with a few whole-batch ops instead of a few per micro-batch (this
-    runs every step, and its cost is paid before any device starts)."""
-    T, B = batch.inputs.shape
-    sizes = [hi - lo for lo, hi in chunk_bounds]
-    pieces = []
-    for x in (batch.inputs, batch.targets):
-        # (T, B) -> (m, T, B/m): micro-batch i is a contiguous (T, B/m) block, its chunks row ranges
-        blocks = x.reshape(T, m, B // m).transpose(0, 1).contiguous()
-        pieces.append([chunk.unbind(0) for chunk in blocks.split(sizes, dim=1)])   # [c][i]: (t, B/m)
-    inputs, targets = pieces
-    return [[(inputs[c][i], targets[c][i]) for c in range(len(sizes))] for i in range(m)]
 
 
 def _wait_uninterrupted(futures) -> None:
