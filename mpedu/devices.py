@@ -58,10 +58,10 @@ def list_devices() -> list[Device]:
 
 def describe_devices() -> str:
     """A few lines a learner can read: which devices are real and which are virtual."""
-    lines = []
+    lines, cores = [], len(usable_cores())
     for d in list_devices():
         if d.virtual:
-            index, cores = int(d.name.split(":")[1]), len(usable_cores())
+            index = int(d.name.split(":")[1])
             share = "its own core" if index < cores else "shares a core with another"
             lines.append(f"{d.name:>8}  virtual: one worker thread on the CPU ({share}; {cores} "
                          f"core{'s' if cores > 1 else ''})")
