@@ -25,6 +25,19 @@ def tiny_model(num_layers=3, seed=0, **overrides):
     return LSTMLM.from_config("tiny", VOCAB, num_layers=num_layers, **overrides)
 
 
+def reference(model, batch):
+    """The single-device model's loss (mean NLL per real token) and gradients {name: grad}; leaves
+    the model's .grad zeroed. What every pipeline, stage and device placement must reproduce."""
+    from mpedu.model import nll_sum
+    model.zero_grad()
+    logits, _ = model(batch.inputs)
+    loss = nll_sum(logits, batch.targets) / batch.tokens
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.item(), grads
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module: tiny ops gain little from two, and two threads stall

@@ -7,8 +7,7 @@ reference is the whole model on the CPU, in fp32.
 import pytest
 import torch
 
-from conftest import make_batch, tiny_model
-from mpedu.model import nll_sum
+from conftest import make_batch, reference, tiny_model
 from mpedu.pipeline import Pipeline
 
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -33,19 +32,11 @@ def exact_fp32():
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def cpu_reference(batch):
-    model = tiny_model(dropout=0.0)
-    logits, _ = model(batch.inputs)
-    loss = nll_sum(logits, batch.targets) / batch.tokens
-    loss.backward()
-    return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("schedule,m", [("gpipe", 4), ("1f1b", 4), ("zb1", 2)])
 def test_the_pipeline_gives_the_cpu_models_loss_and_gradients(placement, schedule, m):
     batch = make_batch()
-    ref_loss, ref_grads = cpu_reference(batch)
+    ref_loss, ref_grads = reference(tiny_model(dropout=0.0), batch)
     model = tiny_model(dropout=0.0)
     with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
         for _ in range(2):     # the second step reuses the workers' streams and the cached plan
@@ -74,6 +65,6 @@ def test_the_pipeline_gives_the_cpu_models_loss_and_gradients(placement, schedul
 @pytest.mark.parametrize("placement", PLACEMENTS[:3])
 def test_eval_matches_the_cpu_model(placement):
     batch = make_batch()
-    ref_loss, _ = cpu_reference(batch)
+    ref_loss, _ = reference(tiny_model(dropout=0.0), batch)
     with Pipeline(tiny_model(dropout=0.0), placement, "gpipe", micro_batches=2) as pipe:
         assert pipe.eval_step(batch).loss == pytest.approx(ref_loss, rel=1e-5)

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import make_batch, tiny_model
+from conftest import make_batch, reference, tiny_model
 from mpedu.model import nll_sum
 from mpedu.pipeline import Pipeline
 from mpedu.stage import Stage
@@ -28,17 +28,6 @@ CASES = [
     ("interleaved", NON_CONTIGUOUS, 4), ("1f1b", NON_CONTIGUOUS, 2),
     ("zb1", BALANCED, 4), ("zb1", THREE, 8), ("zb1", SINGLE, 2),
 ]
-
-
-def reference(model, batch):
-    """The single-device model's loss and gradients (mean NLL per real token)."""
-    model.zero_grad()
-    logits, _ = model(batch.inputs)
-    loss = nll_sum(logits, batch.targets) / batch.tokens
-    loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    return loss.item(), grads
 
 
 @pytest.mark.parametrize("schedule,placement,m", CASES)

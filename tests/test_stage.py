@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-from conftest import make_batch, tiny_model
+from conftest import make_batch, reference, tiny_model
 from mpedu.devices import get_device
-from mpedu.model import nll_sum
 from mpedu.stage import Stage
 
 
@@ -16,19 +15,10 @@ def two_stages(model):
             Stage(1, rest, [model.layers[n] for n in rest], dev, is_last=True))
 
 
-def reference_grads(model, batch):
-    logits, _ = model(batch.inputs)
-    loss = nll_sum(logits, batch.targets) / batch.tokens
-    loss.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    return loss.item(), grads
-
-
 @pytest.mark.parametrize("split", [False, True])
 def test_forward_backward_through_two_stages_equals_autograd(split):
     model, batch = tiny_model(num_layers=2), make_batch()
-    ref_loss, ref = reference_grads(model, batch)
+    ref_loss, ref = reference(model, batch)
     s0, s1 = two_stages(model)
     act = s0.forward(0, 0, batch.inputs)
     assert act.shape == (9, 8, 64) and act.grad_fn is not None
@@ -40,8 +30,8 @@ def test_forward_backward_through_two_stages_equals_autograd(split):
         assert all(p.grad is None for p in s1.params), "B must not touch weight gradients"
         s1.backward_weight(0, 0)
     assert s0.backward(0, 0, grad) is None            # stage 0's input is token ids
-    for p, g in zip(model.parameters(), ref):
-        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-7)
     assert not s0.saved and not s1.saved, "backward must free what forward kept"
 
 
@@ -49,7 +39,7 @@ def test_forward_backward_through_two_stages_equals_autograd(split):
 def test_time_chunks_pass_state_forward_and_its_gradient_backward(chunks):
     """Chunk c runs after chunk c-1 (state); backward runs c = last..0 (BPTT)."""
     model, batch = tiny_model(num_layers=2), make_batch(T=9)
-    ref_loss, ref = reference_grads(model, batch)
+    ref_loss, ref = reference(model, batch)
     s0, s1 = two_stages(model)
     bounds = torch.linspace(0, 9, chunks + 1).round().long().tolist()
     total = 0.0
@@ -60,5 +50,5 @@ def test_time_chunks_pass_state_forward_and_its_gradient_backward(chunks):
     assert total == pytest.approx(ref_loss, rel=1e-6)
     for c in reversed(range(chunks)):
         s0.backward(0, c, s1.backward(0, c, None))
-    for p, g in zip(model.parameters(), ref):
-        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-7)
