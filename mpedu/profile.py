@@ -10,6 +10,7 @@ import torch
 
 from .devices import Worker, get_device
 from .model import nll_sum
+from .stage import count_saved
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,10 @@ def _measure(layers, micro, dev, warmup, repeats):
 
 def _measure_layers(layers, micro, dev, warmup, repeats):
     """Inputs per layer, saved bytes, then the timings."""
-    tokens = micro.inputs.to(dev.torch_device)          # (T, b)
-    targets = micro.targets.to(dev.torch_device)
+    # (T, b), copied: a micro-batch is a view of its whole batch's block, whose bytes the
+    # embedding's saved indices would otherwise count
+    tokens = micro.inputs.to(dev.torch_device, copy=True)
+    targets = micro.targets.to(dev.torch_device, copy=True)
     scale = 1.0 / max(int(micro.tokens), 1)
     last = len(layers) - 1
 
@@ -199,14 +202,9 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
     for k in range(len(layers)):
         storages: dict[int, int] = {}
 
-        def pack(t, storages=storages):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in params:                       # weights are param_bytes, not activations
-                storages[ptr] = t.untyped_storage().nbytes()
-            return t.detach()   # the saved tensor itself would make a cycle that only backward breaks
-
         inputs.append(x)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # weights are param_bytes, not activations
+        with torch.autograd.graph.saved_tensors_hooks(count_saved(storages, params), lambda t: t):
             _, y = forward(k, x)
         saved.append(storages)
         output_bytes.append(0 if k == last else y.numel() * y.element_size())

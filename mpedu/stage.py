@@ -32,6 +32,21 @@ class _Saved:
     saved_bytes: int = 0                      # activations autograd keeps for backward
 
 
+def count_saved(storages: dict[int, int], skip: set[int]):
+    """A saved-tensors pack hook that records each storage autograd keeps for backward as
+    {address: bytes}, once however many tensors view it, leaving out the addresses in `skip`."""
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in skip:
+            storages[ptr] = storage.nbytes()
+        # Detached (same storage, no history): an output saved as itself would point back at its
+        # own grad_fn, a cycle only backward breaks; a step that fails before its backward would
+        # then leak the whole graph (bench/soak.py measured 0.4 MB per failed step).
+        return t.detach()
+    return pack
+
+
 class Stage:
     """Layers `names` of a model, run on `device`."""
 
@@ -98,24 +113,11 @@ class Stage:
         return x, per_layer
 
     def _counting_hook(self, storages: dict[int, int], x: torch.Tensor, targets: torch.Tensor | None):
-        """A pack hook that records each storage autograd keeps for backward as {address: bytes}.
-
-        Not counted: weights, and the step's token ids and targets (the pipeline holds those for
-        the whole step, cut from one block per batch, so no backward frees them).
-        """
+        """`count_saved` for this stage. Not counted: weights, and the step's token ids and targets
+        (the pipeline holds those for the whole step, cut from one block per batch, so no backward
+        frees them)."""
         data = {t.untyped_storage().data_ptr() for t in (x, targets) if t is not None and not t.is_floating_point()}
-        weights = self._param_storages
-
-        def pack(t):
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in weights and ptr not in data:
-                storages[ptr] = storage.nbytes()
-            # Detached (same storage, no history): an output saved as itself would point back at its
-            # own grad_fn, a cycle only backward breaks; a step that fails before its backward would
-            # then leak the whole graph (bench/soak.py measured 0.4 MB per failed step).
-            return t.detach()
-        return pack
+        return count_saved(storages, self._param_storages | data)
 
     def saved_bytes(self, mb: int, chunk: int = 0) -> int:
         """Activation bytes held for the backward of (mb, chunk); 0 once it has run."""
