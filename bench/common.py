@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from mpedu.bucketing import Batch
+from mpedu.claims import in_turn
 
 
 def random_batch(vocab: int, T: int, B: int, seed: int = 0) -> Batch:
@@ -33,21 +34,13 @@ def median_time(fn, repeats: int, warmup: int = 2) -> float:
 
 
 def paired_rounds(runs: dict, repeats: int, warmup: int = 3) -> dict[str, list[float]]:
-    """Seconds of each callable per round, timed in turn round after round (A B C A B C ...).
+    """Seconds of each callable per round, timed in turn round after round (A B C, C B A, ...).
 
     Compare runs by `median_ratio` of the same rounds: a machine whose speed drifts
     (other tenants on a shared host) then slows both sides of each ratio alike.
+    (mpedu.claims.in_turn does the timing; the course's verdicts use it too.)
     """
-    for _ in range(warmup):
-        for fn in runs.values():
-            fn()
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times
+    return in_turn(runs, rounds=repeats, warmup=warmup)
 
 
 def median_ratio(numerators: list[float], denominators: list[float]) -> float:

@@ -3,13 +3,14 @@ from .balance import balance, balance_by_params, balance_by_time
 from .bucketing import Batch, BucketIterator, StreamIterator
 from .data import Corpus, Vocabulary, load_corpus
 from .devices import Device, describe_devices, get_device, get_devices, list_devices
+from .link import Link
 from .memory import memory_report
 from .model import LSTMLM
 from .pipeline import Pipeline
 from .placement import Placement
 from .profile import Costs, profile
 from .schedules import Action, Schedule
-from .simulate import Link, simulate
+from .simulate import simulate
 from .timeline import Event, Timeline, plot_timelines
 from .train import SingleDevice, train
 

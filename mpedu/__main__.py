@@ -9,18 +9,30 @@ from pathlib import Path
 
 import torch
 
+from .files import why
+from .link import LINKS, Link, format_bandwidth, format_seconds
 from .model import CONFIGS
-from .train import BATCH_SIZE, CHECKPOINT_EVERY, CLIP, CONFIG, EPOCHS, LR, SingleDevice, train
+from .recipes import RECIPES, recipe_for
+from .train import CHECKPOINT_EVERY, CONFIG, SingleDevice, train
 
 EXAMPLES = """\
 examples:
   python -m mpedu train                           # tiny model, embedded corpus, 2 virtual devices, GPipe
   python -m mpedu train --devices 1               # the single-device reference run
   python -m mpedu train --placement "embed,lstm0:vgpu0 | lstm1,decode:vgpu1" --schedule 1f1b
-  python -m mpedu train --data path/to/ptb --config small --epochs 13
+  python -m mpedu train --data path/to/ptb --config small   # Zaremba et al.'s small recipe
   python -m mpedu train --resume                  # continue runs/latest/checkpoint.pt
   python -m mpedu train --memory-cap 2MB          # refuse a placement that needs more per device
+  python -m mpedu train --link 10gbe/100          # devices joined by 10 Gb Ethernet, slowed 100x as the CPU is
 """
+
+LR_HELP = """
+learning rate and recipes:
+  mpedu's loss is the mean NLL per token. Zaremba et al. sum it over the T time steps of a
+  window, so their gradients are T times mpedu's: their lr 1 is about lr T here (20 for small,
+  T = 20), and their gradient clip 5 about 5 / T. Each --config carries its paper's recipe in
+  mpedu's units; --epochs, --batch-size, --lr, --clip and --bptt you give override it:
+""" + "".join(f"  {name:<7} {recipe.describe()}\n" for name, recipe in RECIPES.items())
 
 
 def _whole(text: str, minimum: int, maximum: int = 2**63) -> int:
@@ -71,28 +83,61 @@ def _memory_cap(text: str):
         for item in text.split(","):
             device, _, size = item.partition("=")
             if not device.strip():
-                raise ValueError(f"{item!r} names no device; write DEVICE=SIZE, e.g. vgpu:0=2MB")
+                raise ValueError(f"{shorten(item)!r} names no device; write DEVICE=SIZE, e.g. vgpu:0=2MB")
             parse_size(size)
+            if device.strip() in caps:
+                raise ValueError(f"--memory-cap gives {shorten(device.strip())} twice ({caps[device.strip()]} and "
+                                 f"{size}); give each device one cap")
             caps[device.strip()] = size
         return caps
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _link(text: str):
+    """A Link from --link text (a preset, PRESET/FACTOR, or LATENCY,BANDWIDTH), checked by Link.parse."""
+    try:
+        return Link.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _link_help() -> str:
+    presets = ", ".join(f"{name} ({format_seconds(k.latency_s)}, {format_bandwidth(k.bandwidth_Bps)})"
+                        for name, k in LINKS.items())
+    return ("emulate the interconnect between virtual devices for real: a transfer of n bytes reaches the "
+            f"other device latency + n / bandwidth after it is sent (the receiver waits). Presets: {presets}; "
+            "shared is the default and adds no delay. PRESET/FACTOR is a link FACTOR times slower (latency x "
+            "FACTOR, bandwidth / FACTOR): a CPU core computes these layers about 100x slower than a GPU, so "
+            "10gbe/100 gives virtual devices the compute-to-communication ratio of GPUs on 10 Gb Ethernet. "
+            "Or LATENCY,BANDWIDTH, e.g. 5ms,10MB/s. Virtual devices only: GPUs copy for real")
+
+
 def add_training_options(parser: argparse.ArgumentParser, clip_over: str) -> None:
     """The options every `train` command takes (here and under torchrun), with the same checks."""
     parser.add_argument("--data", metavar="DIR", help="folder with ptb.train.txt, ptb.valid.txt and ptb.test.txt "
                         "(default: the embedded synthetic corpus)")
-    parser.add_argument("--config", choices=list(CONFIGS), default=CONFIG, help=f"model size (default: {CONFIG})")
-    parser.add_argument("--epochs", type=_positive_int, default=EPOCHS, help=f"default: {EPOCHS}")
-    parser.add_argument("--batch-size", type=_positive_int, default=BATCH_SIZE, metavar="B",
-                        help=f"sentences per batch (default: {BATCH_SIZE})")
-    parser.add_argument("--lr", type=_positive_float, default=LR,
-                        help=f"SGD learning rate, halved when validation perplexity gains < 1 (default: {LR:g})")
-    parser.add_argument("--clip", type=_non_negative_float, default=CLIP,
-                        help=f"norm clip over {clip_over}, 0 for none (default: {CLIP})")
+    # --epochs, --batch-size, --lr and --clip default to None: the --config's recipe fills them
+    # (apply_recipe), so that what the user gave can be told apart and wins.
+    tiny = recipe_for(CONFIG)
+    parser.add_argument("--config", choices=list(CONFIGS), default=CONFIG,
+                        help=f"model size, and the recipe it is trained with (default: {CONFIG})")
+    parser.add_argument("--epochs", type=_positive_int, help=f"default: the recipe's ({CONFIG}: {tiny.epochs})")
+    parser.add_argument("--batch-size", type=_positive_int, metavar="B",
+                        help=f"sentences (or stream columns) per batch (default: the recipe's; {CONFIG}: "
+                             f"{tiny.batch_size})")
+    parser.add_argument("--lr", type=_positive_float,
+                        help=f"SGD learning rate for a loss that is the mean NLL per token (a paper's lr for a "
+                             f"loss summed over T time steps is about lr x T here); decayed by the recipe's rule "
+                             f"(default: the recipe's; {CONFIG}: {tiny.lr:g}, halved when validation "
+                             f"perplexity gains < 1). Given on --resume, it replaces the checkpoint's")
+    parser.add_argument("--clip", type=_non_negative_float,
+                        help=f"norm clip over {clip_over}, 0 for none (default: the recipe's; {CONFIG}: "
+                             f"{tiny.clip:g})")
     parser.add_argument("--seed", type=_count, default=0,
-                        help="seeds initialisation, dropout and data order (default: 0)")
+                        help="fixes the run: initialisation, data order and dropout masks, which depend on "
+                             "(seed, step, layer, position) only, so every placement and schedule draws the "
+                             "same (default: 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,15 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", title="commands", metavar="{train,corpus}")
 
     t = commands.add_parser("train", help="train the language model (default: 2 virtual devices, GPipe)",
-                            epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=EXAMPLES + LR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                             description="Train, print one line per epoch, save checkpoint.pt and model.pt in --out.")
     add_training_options(t, clip_over="the gradients")
-    t.add_argument("--bptt", type=_positive_int, metavar="T",
-                   help="stream mode: cut the text into T-step chunks and carry the LSTM state across batches")
+    t.add_argument("--bptt", type=_count, metavar="T",
+                   help="stream mode: cut the text into T-step chunks and carry the LSTM state across batches; "
+                        "0: bucketed sentences (default: the recipe's; tiny: bucketed)")
     t.add_argument("--out", default="runs/latest", metavar="DIR",
                    help="where checkpoint.pt and model.pt go (default: runs/latest)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt, mid-epoch if need be "
-                   "(on any placement or device count)")
+                   "(on any placement or device count); bit for bit with the same micro-batches and chunks, "
+                   "dropout included, else to float rounding")
     t.add_argument("--checkpoint-every", type=_count, default=CHECKPOINT_EVERY, metavar="N",
                    help=f"write DIR/checkpoint.pt every N batches, and at each epoch end; 0: only at epoch "
                         f"ends (default: {CHECKPOINT_EVERY})")
@@ -138,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--memory-cap", type=_memory_cap, metavar="SIZE",
                       help="memory each device may use, e.g. 2MB, or per device: vgpu:0=2MB,vgpu:1=4MB; a "
                            "placement that needs more stops before the first step and names one that fits")
+    pipe.add_argument("--link", type=_link, metavar="LINK", help=_link_help())
 
     c = commands.add_parser("corpus", help="write the embedded corpus as ptb.{train,valid,test}.txt",
                             description="Write the embedded synthetic corpus in PTB format (one sentence per line).")
@@ -147,8 +195,66 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _error(message: str, code: int = 2) -> int:
-    print(f"mpedu: error: {message}", file=sys.stderr)
+    print(f"mpedu: error: {shorten(message, 2000)}", file=sys.stderr)
     return code
+
+
+def shorten(text: str, limit: int = 60) -> str:
+    """`text` whole if short, else its start and how long it was: an error never echoes a 10,000-character value."""
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text):,} characters)"
+
+
+def apply_recipe(args, log=print):
+    """Fill the training options the user did not give from the --config's recipe; return the recipe.
+
+    Prints which recipe is used and which of its values the user's options replaced. For a
+    parser without --bptt (torchrun: stream mode is not offered there) the recipe's bptt is dropped."""
+    recipe = recipe_for(args.config)
+    names = {"epochs": "epochs", "batch_size": "batch-size", "lr": "lr", "clip": "clip", "bptt": "bptt"}
+    given = []
+    args.given = {key for key in names if getattr(args, key, None) is not None}
+    for key, flag in names.items():
+        if not hasattr(args, key):
+            continue
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(recipe, key))
+        elif getattr(args, key) != getattr(recipe, key) and not (key == "bptt" and args.bptt == 0 and not recipe.bptt):
+            given.append(f"--{flag} {getattr(args, key):g}")
+    if hasattr(args, "bptt"):
+        args.bptt = args.bptt or None             # --bptt 0: bucketed sentences
+    log(f"recipe {args.config!r}: {recipe.describe()}" + (f"; given: {', '.join(given)}" if given else ""))
+    if recipe.bptt and not hasattr(args, "bptt"):
+        log(f"note: the recipe's stream mode (bptt {recipe.bptt}) is not offered here; batches are bucketed "
+            "sentences, so its lr may need lowering")
+    return recipe
+
+
+def _finite_or_null(value):
+    """JSON has no inf or NaN: a figure that is not finite is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
+def json_line(summary: dict) -> str:
+    """The --json summary: strict JSON (non-finite figures are null)."""
+    return json.dumps(_finite_or_null(summary), allow_nan=False)
+
+
+def diverged(summary: dict, recipe_lr: float) -> str | None:
+    """The message for a run whose perplexities are not finite (None when they all are)."""
+    bad = [f"{k.removesuffix('_ppl')} {summary[k]}" for k in ("train_ppl", "valid_ppl", "test_ppl")
+           if isinstance(summary.get(k), float) and not math.isfinite(summary[k])]
+    if not bad:
+        return None
+    lr = summary.get("lr") or recipe_lr
+    return (f"training diverged: perplexity is not finite ({', '.join(bad)}), so the model predicts nothing; "
+            f"start afresh (another --out, or no --resume) with a lower --lr: the last epoch used {lr:g}"
+            + (f", the recipe's is {recipe_lr:g}" if recipe_lr < lr else ""))
 
 
 def build_runner(model, args):
@@ -157,6 +263,9 @@ def build_runner(model, args):
         if args.memory_cap is not None:
             raise ValueError("--memory-cap applies to pipeline devices; use --devices 2 or more, or a "
                              "--placement (one device: --placement 'embed,...,decode:vgpu0')")
+        if args.link is not None and args.link.emulated:
+            raise ValueError(f"--link {args.link.name} joins pipeline devices, and --devices 1 has no transfer; "
+                             "use --devices 2 or more, or a --placement")
         return SingleDevice(model)
     from .devices import get_devices
     from .pipeline import Pipeline
@@ -166,18 +275,18 @@ def build_runner(model, args):
     else:
         placement = Placement.even(model, get_devices(args.devices))
     return Pipeline(model, placement, schedule=args.schedule, micro_batches=args.micro_batches, chunks=args.chunks,
-                    memory_cap=args.memory_cap)
+                    memory_cap=args.memory_cap, link=args.link)
 
 
 def run_train(args) -> int:
     from .data import load_corpus
-    from .model import LSTMLM
     try:
         corpus = load_corpus(args.data)
     except ValueError as e:  # CorpusError: names the folder and the missing or bad file
         return _error(str(e))
     except OSError as e:     # unreadable (permissions, a folder where a file should be)
         return _error(f"cannot read the corpus in {args.data}: {e.strerror or e} ({e.filename or args.data})")
+    recipe = apply_recipe(args)
     # Settings a schedule cannot meet are refused before one is built (a schedule with a
     # billion micro-batches or chunks would take that long to write down).
     if args.micro_batches > args.batch_size:
@@ -187,6 +296,19 @@ def run_train(args) -> int:
     if args.chunks > longest:
         return _error(f"--chunks {args.chunks} is more than the {longest} time steps of the longest "
                       f"{'window (--bptt)' if args.bptt else 'training sentence'}; use fewer chunks")
+    from .files import OutFolderError, OutLock, prepare_out
+    try:                     # --out is checked, and locked against a second run, before any training
+        prepare_out(args.out)
+        with OutLock(args.out):
+            return _train_in(args, corpus, recipe)
+    except OutFolderError as e:
+        return _error(str(e))
+
+
+def _train_in(args, corpus, recipe) -> int:
+    """Build the model and runner, train, write the timeline and the summary (--out is locked)."""
+    from .files import WriteFailed
+    from .model import LSTMLM
     torch.manual_seed(args.seed)
     model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab))
     try:
@@ -197,21 +319,25 @@ def run_train(args) -> int:
     if not pipelined and (args.schedule != "gpipe" or args.micro_batches != 4):
         print("note: --schedule and --micro-batches apply to a pipeline; --devices 1 runs the single-device model")
     where = (f"pipeline {runner.placement}, schedule {runner.schedule.name}, {runner.micro_batches} micro-batches"
-             if pipelined else "single device (cpu)")
+             + (f", link {runner.link}" if runner.link.emulated else "") if pipelined else "single device (cpu)")
     print(f"mpedu train: {args.config} model on {corpus.name} ({len(corpus.vocab):,} words, "
           f"{corpus.tokens('train'):,} training tokens); {where}")
     try:
         history = train(
-            model, corpus, runner=runner, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+            # on --resume, an lr not given is the checkpoint's (it may have been decayed)
+            model, corpus, runner=runner, epochs=args.epochs, batch_size=args.batch_size,
+            lr=args.lr if "lr" in args.given or not args.resume else None,
             clip=args.clip or None, seed=args.seed, out=args.out, resume=args.resume, bptt=args.bptt,
-            checkpoint_every=args.checkpoint_every, limit_batches=args.limit_batches,
+            checkpoint_every=args.checkpoint_every, limit_batches=args.limit_batches, lr_decay=recipe.decay,
             skip_bad_batches=args.skip_bad_batches, progress=not args.no_progress and sys.stderr.isatty())
+    except WriteFailed as e:   # disk full, file-size limit: says what was kept
+        return _error(str(e), code=1)
     except ValueError as e:  # CheckpointError, MemoryCapError, or a setting the data cannot meet
         return _error(str(e))
     except FloatingPointError as e:  # NumericFault: names the step, the layer, its stage and device
         return _error(str(e), code=1)
     except OSError as e:
-        return _error(f"cannot write to --out {args.out}: {e.strerror or e} ({e.filename or args.out})")
+        return _error(f"cannot write to --out {args.out}: {why(e)} ({e.filename or args.out})", code=1)
     except KeyboardInterrupt:
         return _error(f"interrupted; continue with --resume --out {args.out}", code=130)
     finally:
@@ -220,7 +346,8 @@ def run_train(args) -> int:
         try:
             files = runner.last_timeline.save(args.out, stem="last_step")
         except OSError as e:
-            return _error(f"cannot write the timeline to --out {args.out}: {e.strerror or e}")
+            return _error(f"cannot write the timeline to --out {args.out}: {why(e)}; the checkpoint and "
+                          "model.pt are written", code=1)
         print(f"last step's timeline: {', '.join(str(f) for f in files)} (open the .json in Perfetto or chrome://tracing)")
     if args.json:
         summary = {"config": args.config, "data": corpus.name, **history.summary(), "batch_size": args.batch_size,
@@ -228,12 +355,14 @@ def run_train(args) -> int:
         if pipelined:
             summary.update(devices=[str(d) for d in runner.devices], placement=str(runner.placement),
                            schedule=runner.schedule.name, micro_batches=runner.micro_batches,
+                           link=runner.link.name,
                            bubble_fraction_over="mean of all training steps")
         else:
             summary.update(devices=["cpu"])
             summary.pop("bubble_fraction", None)
-        print(json.dumps(summary))
-    return 0
+        print(json_line(summary))
+    problem = diverged(history.summary(), recipe.lr)
+    return _error(problem, code=1) if problem else 0
 
 
 def run_corpus(args) -> int:
@@ -246,9 +375,37 @@ def run_corpus(args) -> int:
     return 0
 
 
+def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--memory-cap -5MB` -> `--memory-cap=-5MB`: argparse takes a word that starts with '-' (and is not
+    a plain negative number) for an option, and says "expected one argument"; joined, the option's
+    own check names the bad value."""
+    takes_value = {flag for action in _all_actions(parser) if action.option_strings and action.nargs is None
+                   for flag in action.option_strings}
+    joined, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        if word in takes_value and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1][1:2] not in ("", "-") \
+                and argv[i + 1] not in takes_value:
+            joined.append(f"{word}={argv[i + 1]}")
+            i += 2
+        else:
+            joined.append(word)
+            i += 1
+    return joined
+
+
+def _all_actions(parser):
+    for action in parser._actions:
+        yield action
+        for sub in getattr(action, "choices", None) or {}:
+            if isinstance(action.choices, dict) and isinstance(action.choices[sub], argparse.ArgumentParser):
+                yield from _all_actions(action.choices[sub])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv or ["train"])
+    parser = build_parser()
+    args = parser.parse_args(join_dash_values(parser, argv) or ["train"])
     return run_corpus(args) if args.command == "corpus" else run_train(args)
 
 

@@ -7,6 +7,7 @@ import torch
 
 from . import schedules
 from .devices import Device, format_size, get_device, list_devices, parse_size
+from .memory import GPU_LEAVES_OUT, measured_peak
 from .balance import min_max_split
 from .placement import Placement
 from .schedules import Action, Schedule
@@ -90,8 +91,16 @@ def check_memory(pipe, batch, plan) -> None:
             f"{pipe.micro_batches} micro-batches" + (f", {pipe.chunks} time chunks" if pipe.chunks > 1 else "")
             + ")")
     lines = [f"{n.device} needs {format_size(n.total)} for {what}: {n.parts()}; more than its memory_cap "
-             f"{format_size(n.cap)}." for n in over]
+             f"{format_size(n.cap)}." + gpu_measured(n.device) for n in over]
     raise MemoryCapError(" ".join(lines) + " " + _what_fits(pipe, plan))
+
+
+def gpu_measured(device: str) -> str:
+    """On a GPU, a sentence with the allocator's measured peak beside the estimate ("" elsewhere)."""
+    peak = measured_peak(device)
+    if peak is None:
+        return ""
+    return f" Measured on {device} so far: a peak of {format_size(peak)} allocated; {GPU_LEAVES_OUT}."
 
 
 def _what_fits(pipe, plan) -> str:
@@ -220,5 +229,8 @@ def parse_caps(memory_cap, devices: list[Device]) -> dict[str, int]:
         if dev not in devices:
             raise ValueError(f"memory_cap names {dev}, which this placement does not use; it uses "
                              f"{', '.join(d.name for d in devices)}")
+        if dev.name in caps:      # 'vgpu0' and 'vgpu:0' are one device
+            raise ValueError(f"memory_cap gives {dev} two caps ({caps[dev.name]:,} and {parse_size(size):,} bytes, "
+                             f"the second as {name!r}); give each device one cap")
         caps[dev.name] = parse_size(size)
     return caps

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pickle
 import random
 import re
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
+from .files import atomic_write, temp_prefix
 from .model import CONFIGS, LMConfig, LSTMLM
 
 CHECKPOINT_FORMAT = "mpedu-checkpoint-1"
@@ -39,34 +40,21 @@ def _describe(config: dict, vocab_size: int) -> str:
 
 # ---------------------------------------------------------------- writing
 
-def _temp_prefix(path: Path) -> str:
-    return f".{path.name}."
-
-
 def atomic_save(obj, path) -> None:
-    """torch.save to a temp file in the same folder, fsync, then rename: readers see old or new, never half."""
+    """torch.save to a temp file in the same folder, fsync, then rename: readers see old or new, never half.
+
+    A failed write (disk full, file-size limit) raises OSError naming the cause; the old file stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+
+    def write(f):
+        torch.save(obj, f)
         slow = os.environ.get(SLOW_WRITE_ENV)
         if slow:
+            f.flush()
             time.sleep(float(slow))
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable (POSIX; not possible on Windows)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+
+    atomic_write(path, write)
 
 
 def remove_stale_temp(path) -> list[Path]:
@@ -75,7 +63,7 @@ def remove_stale_temp(path) -> list[Path]:
     path = Path(path)
     if not path.parent.is_dir():
         return []
-    stale = [p for p in path.parent.glob(f"{_temp_prefix(path)}*.tmp") if p.is_file()]
+    stale = [p for p in path.parent.glob(f"{temp_prefix(path)}*.tmp") if p.is_file()]
     for p in stale:
         with contextlib.suppress(OSError):
             p.unlink()
@@ -85,6 +73,44 @@ def remove_stale_temp(path) -> list[Path]:
 # ---------------------------------------------------------------- reading
 
 _UNSAFE_RE = re.compile(r"(?:unsupported GLOBAL|Unsupported global:\s*GLOBAL)\s+([\w.]+)", re.IGNORECASE)
+
+
+def _what_is(path: Path) -> str:
+    """What a file that torch cannot read looks like, from its first bytes (for the error message)."""
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if not head:
+        return "is empty (0 bytes)"
+    if head.startswith(b"\x1f\x8b"):
+        return "is a gzip-compressed file, not a checkpoint (if it holds one, decompress it first: gunzip)"
+    if head.startswith(b"PK\x03\x04"):
+        return ("is a PyTorch (zip) file that is truncated or damaged (a copy or a write that did not "
+                "finish?)")
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "is a Python pickle that is not a PyTorch checkpoint, or is truncated"
+    if all(32 <= c < 127 or c in (9, 10, 13) for c in head):
+        return f"is a text file (it starts with {head.decode('ascii')!r}), not a PyTorch file"
+    return f"is not a PyTorch file (it starts with bytes {head[:8].hex(' ')})"
+
+
+def _pickled_callables(path: Path) -> list[str]:
+    """The Python callables a plain pickle file names (GLOBAL, STACK_GLOBAL), read without running it.
+
+    torch's weights-only reader stops at the first opcode it does not support (protocol 4's
+    FRAME) before it sees a callable, so its message cannot tell a malicious pickle from junk."""
+    import pickletools
+    names, strings = [], []
+    with contextlib.suppress(Exception), open(path, "rb") as f:   # junk: whatever was read so far
+        for op, arg, _ in pickletools.genops(f):
+            if op.name in ("GLOBAL", "INST"):
+                names.append(str(arg).replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+            if len(names) >= 3:
+                break
+    return names
 
 
 def _load(path, kind: str) -> dict:
@@ -98,26 +124,80 @@ def _load(path, kind: str) -> dict:
             # other Python callable (os.system, ...) is refused before anything runs
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" not in str(e):
-            raise _damaged(path, kind, e) from e
+        # Only a pickle that names a Python callable could run code; random bytes or a gzip file
+        # also fail the weights-only reader, with another message, and are merely not checkpoints.
         found = _UNSAFE_RE.search(str(e))
-        what = f" (it names {found.group(1)})" if found else ""
-        raise CheckpointError(f"{path} holds Python objects, not just weights{what}; loading it could run "
-                              f"code, so mpedu refuses it. If you did not write this file, delete it; "
-                              f"mpedu writes only tensors and plain data") from None
+        names = [found.group(1)] if found else _pickled_callables(path)
+        if "Weights only load failed" not in str(e) or not names:
+            raise _damaged(path, kind, e) from None
+        raise CheckpointError(f"{path} holds Python objects, not just weights (it names {', '.join(names)}); "
+                              f"loading it could run code, so mpedu refuses it. If you did not write this "
+                              f"file, delete it; mpedu writes only tensors and plain data") from None
     except Exception as e:  # truncated zip, random bytes, ...: the torch message alone does not name the file
-        raise _damaged(path, kind, e) from e
+        raise _damaged(path, kind, e) from None
     expected = CHECKPOINT_FORMAT if kind == "checkpoint" else MODEL_FORMAT
     if not isinstance(obj, dict) or obj.get("format") != expected:
         found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise CheckpointError(f"{path} is not an mpedu {kind} (format {found!r}, expected {expected!r})")
+    _verify_checksums(obj, path, kind)
     return obj
 
 
 def _damaged(path, kind, e) -> CheckpointError:
-    message = str(e).splitlines()[0] if str(e) else ""
-    return CheckpointError(f"cannot read {kind} {path}: {e.__class__.__name__}: {message}. The file is damaged "
-                           f"or is not an mpedu {kind}; delete it, or pick another --out")
+    try:
+        what = _what_is(path)
+    except OSError as read_error:
+        what = f"cannot be read ({read_error.strerror or read_error})"
+    return CheckpointError(f"{kind} {path} {what}, so it cannot be read as an mpedu {kind} "
+                           f"(torch says: {e.__class__.__name__}: {(str(e).splitlines() or [''])[0][:120]}); "
+                           f"delete it, or pick another --out")
+
+
+# ---------------------------------------------------------------- checksums
+
+def _tensors(obj, prefix: str = ""):
+    """(path, tensor) for every tensor inside nested dicts, lists and tuples: 'model/embed.embedding.weight'."""
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            if not (prefix == "" and key == "checksums"):
+                yield from _tensors(value, f"{prefix}/{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, f"{prefix}/{i}")
+
+
+def _digest(t: torch.Tensor) -> str:
+    h = hashlib.blake2b(digest_size=16)           # fast; guards against damage, not against a forger
+    h.update(f"{t.dtype} {tuple(t.shape)}".encode())
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def checksums(obj: dict) -> dict[str, str]:
+    """A digest of every tensor in a checkpoint or model file, by its path inside the file."""
+    return {path: _digest(t) for path, t in _tensors(obj)}
+
+
+def _verify_checksums(obj: dict, path, kind: str) -> None:
+    """Refuse a file whose tensors changed after it was written, naming them (a flipped bit on disk,
+    an edit): such weights load and train without any other sign."""
+    stored = obj.get("checksums")
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{kind} {path} has no tensor checksums: it was written by an older mpedu or "
+                              "altered since, so its weights cannot be trusted; delete it, or pick another --out")
+    try:
+        now = checksums(obj)
+    except (RuntimeError, TypeError, ValueError) as e:   # a tensor torch cannot view as bytes
+        raise CheckpointError(f"{kind} {path} is damaged: one of its tensors cannot be read ({e}); delete "
+                              "it, or pick another --out") from None
+    changed = sorted(k for k in set(now) | set(stored) if now.get(k) != stored.get(k))
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        raise CheckpointError(f"{kind} {path} does not match its checksums: {len(changed)} tensor(s) changed "
+                              f"since mpedu wrote it ({shown}); the file was altered or damaged on disk. Delete "
+                              "it, or pick another --out")
 
 
 # What a file must hold, checked before any of it is used, so that a damaged or foreign
@@ -201,13 +281,16 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------- the public four
 
 def save_checkpoint(path, *, model: LSTMLM, optimizer, vocab, history, epoch: int, batch: int = 0,
-                    totals: dict | None = None, placement: str | None = None, settings: dict | None = None) -> None:
+                    totals: dict | None = None, placement: str | None = None, settings: dict | None = None,
+                    options: dict | None = None) -> None:
     """Everything needed to continue exactly: weights, optimizer, RNGs, data position (epoch, batch), history.
 
     `history` is a train.History (or anything with `to_dict()`). The weights are stored per
-    layer name, so a checkpoint loads onto any placement and device count.
+    layer name, so a checkpoint loads onto any placement and device count. `settings` fix the
+    data order (batch size, seed, ...); `options` are what a resume may change (lr, clip, decay).
+    Every tensor's checksum is stored with it, and checked on loading.
     """
-    atomic_save({
+    content = {
         "format": CHECKPOINT_FORMAT,
         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
         "lr": optimizer.param_groups[0]["lr"], "rng": _rng_state(),
@@ -215,8 +298,9 @@ def save_checkpoint(path, *, model: LSTMLM, optimizer, vocab, history, epoch: in
         "position": {"epoch": epoch, "batch": batch, "totals": dict(totals or {})},
         "history": history.to_dict(), "vocab": vocab.to_dict(),
         "config_name": _config_name(model.config), "config": model.config.to_dict(), "vocab_size": model.vocab_size,
-        "placement": placement, "settings": dict(settings or {}),
-    }, path)
+        "placement": placement, "settings": dict(settings or {}), "options": dict(options or {}),
+    }
+    atomic_save({**content, "checksums": checksums(content)}, path)
 
 
 def load_checkpoint(path, *, model: LSTMLM | None = None, vocab=None) -> dict:
@@ -241,9 +325,10 @@ def load_checkpoint(path, *, model: LSTMLM | None = None, vocab=None) -> dict:
 
 def save_model(path, model: LSTMLM, vocab, *, placement: str | None = None) -> None:
     """Final weights with what is needed to rebuild them: config and vocabulary."""
-    atomic_save({"format": MODEL_FORMAT, "model": model.state_dict(), "config_name": _config_name(model.config),
-                 "config": model.config.to_dict(), "vocab_size": model.vocab_size, "vocab": vocab.to_dict(),
-                 "placement": placement}, path)
+    content = {"format": MODEL_FORMAT, "model": model.state_dict(), "config_name": _config_name(model.config),
+               "config": model.config.to_dict(), "vocab_size": model.vocab_size, "vocab": vocab.to_dict(),
+               "placement": placement}
+    atomic_save({**content, "checksums": checksums(content)}, path)
 
 
 def load_model(path):

@@ -169,6 +169,10 @@ def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = 10_000) -> C
     else:
         folder = Path(path)
         expected = ", ".join(FILE_NAMES)
+        if folder.is_file():
+            hint = f" (perhaps its folder, {folder.parent})" if folder.name in FILE_NAMES else ""
+            raise CorpusNotFoundError(f"corpus path {folder} is a file, not a folder; give the folder that holds "
+                                      f"{expected}{hint}")
         if not folder.is_dir():
             raise CorpusNotFoundError(f"corpus folder {folder} does not exist; it should hold {expected}")
         missing = [n for n in FILE_NAMES if not (folder / n).is_file()]
@@ -179,6 +183,11 @@ def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = 10_000) -> C
         for split, file_name in zip(SPLITS, FILE_NAMES):
             words[split], blank[split] = _read(folder / file_name, max_line_tokens)
     vocab = Vocabulary.build(words["train"])
+    if len(vocab) == len(SPECIALS):     # a model needs at least one word besides <pad>, <unk> and <eos>
+        where = f"{Path(path) / FILE_NAMES[0]}" if path is not None else "the training split"
+        raise CorpusError(f"{where} holds no words besides {', '.join(SPECIALS[1:])} ("
+                          f"{sum(map(len, words['train'])):,} tokens), so there is nothing to learn; "
+                          "check that it is the right file")
     eos = [vocab.eos_id]
     ids = {split: [torch.tensor(vocab.encode(s) + eos, dtype=torch.int64) for s in words[split]] for split in SPLITS}
     return Corpus(vocab, ids["train"], ids["valid"], ids["test"], name=name, blank_lines=blank)

@@ -141,6 +141,21 @@ def format_size(nbytes: float) -> str:
     return f"{nbytes:.0f} bytes"
 
 
+def start_device(device: Device):
+    """Prepare the calling thread to run `device`'s work; return its CUDA stream (None off a GPU).
+
+    A virtual device runs torch single-threaded (one core). A GPU's thread makes the GPU its
+    current device and issues work on a stream of its own from PyTorch's pool; such streams do
+    not wait for the default stream, so the Pipeline orders them against it at every step.
+    """
+    if device.virtual:
+        torch.set_num_threads(1)
+    if device.is_cuda:
+        torch.cuda.set_device(device.torch_device)
+        return torch.cuda.Stream(device.torch_device)
+    return None
+
+
 class Worker:
     """A persistent thread that runs one device's jobs in order.
 
@@ -148,21 +163,36 @@ class Worker:
     runs torch single-threaded; a CUDA device's thread issues work on its own stream.
     """
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, start=None):
+        """`start(device)` runs first in the new thread and returns the CUDA stream to issue work on
+        (None off a GPU); the default is `start_device`. If it raises (a GPU in exclusive-process
+        mode that another process holds, no memory left for a CUDA context), the constructor raises
+        a RuntimeError naming the device, instead of waiting for a thread that will never be ready."""
         self.device = device
         self.stream = None
+        self._start = start or start_device
+        self._start_error: BaseException | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"mpedu-{device.name}", daemon=True)
         self._ready = threading.Event()
         self._thread.start()
-        self._ready.wait()
+        while not self._ready.wait(1.0):
+            if not self._thread.is_alive():   # ended without setting ready: never wait for it
+                break
+        if self._start_error is not None or not self._ready.is_set():
+            why = repr(self._start_error) if self._start_error is not None else "its thread ended"
+            advice = (" Check that the GPU is free (nvidia-smi: another process, exclusive-process mode, no "
+                      "memory left for a CUDA context) or place these layers on other devices."
+                      if device.is_cuda else "")
+            raise RuntimeError(f"could not start the worker of {device}: {why}.{advice}") from self._start_error
 
     def _loop(self) -> None:
-        if self.device.virtual:
-            torch.set_num_threads(1)
-        if self.device.is_cuda:
-            torch.cuda.set_device(self.device.torch_device)
-            self.stream = torch.cuda.Stream(self.device.torch_device)
+        try:
+            self.stream = self._start(self.device)
+        except BaseException as exc:    # handed to the constructor, which raises it
+            self._start_error = exc
+            self._ready.set()
+            return
         self._ready.set()
         while True:
             job = self._jobs.get()

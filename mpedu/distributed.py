@@ -28,9 +28,9 @@ mode (--bptt, state carried across batches) is not offered here.
 
 Loss. The last stage's loss is nll_sum(micro-batch) / (real tokens in the whole
 batch) and PyTorch's own scaling is off, so micro-batch losses add up to the
-batch's mean NLL per token and the gradients equal the single-process model's
-(without dropout; with it, each rank draws its own masks, so a run matches one
-process in distribution, not bit for bit). Gradient clipping sums the squared
+batch's mean NLL per token and the gradients equal the single-process model's,
+with dropout too: masks are positional (mpedu.dropout), so rank r draws for its
+micro-batch exactly the slice of the one-process masks. Gradient clipping sums the squared
 norms over all ranks, so it clips exactly as one process would.
 """
 from __future__ import annotations
@@ -52,12 +52,15 @@ from torch import nn
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from .__main__ import _positive_float, _positive_int, add_training_options   # the same checks as `python -m mpedu`
+from .__main__ import (_non_negative_float, _positive_float, _positive_int, add_training_options,  # the same
+                       apply_recipe, json_line)                                            # as `python -m mpedu`
+from . import dropout
 from .devices import Device
+from .heartbeat import LIMIT as HEARTBEAT, Heartbeat
 from .model import CONFIGS, Decode, Embed, LSTMLayer, nll_sum
 from .placement import Placement, _expand
 from .timeline import Event, Timeline
-from .train import CONFIG, StepResult, fit_width, save_model
+from .train import CONFIG, SingleDevice, StepResult, fit_width, save_model
 from .train import train as fit   # (`from . import train` would give the function: mpedu exports it)
 
 FAIL_ENV = "MPEDU_DIST_FAIL_RANK"   # tests: this rank raises in its first stage forward
@@ -315,9 +318,10 @@ class _Recorder:
 class _TimedStage(pp.PipelineStage):
     """A PipelineStage that records each F, B and W it runs, and each send it posts."""
 
-    def __init__(self, *args, recorder: _Recorder, **kwargs):
+    def __init__(self, *args, recorder: _Recorder, position=lambda mb: None, **kwargs):
         super().__init__(*args, **kwargs)
         self.recorder = recorder
+        self.position = position      # micro-batch -> its dropout Position (None: eval, no dropout)
 
     def _timed(self, kind, mb, run):
         start = self.recorder.now()
@@ -326,8 +330,9 @@ class _TimedStage(pp.PipelineStage):
         return result
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        return self._timed("F", fwd_chunk_id, lambda: super(_TimedStage, self).forward_one_chunk(
-            fwd_chunk_id, *args, **kwargs))
+        with dropout.at(self.position(fwd_chunk_id)):
+            return self._timed("F", fwd_chunk_id, lambda: super(_TimedStage, self).forward_one_chunk(
+                fwd_chunk_id, *args, **kwargs))
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         return self._timed("B", bwd_chunk_id, lambda: super(_TimedStage, self).backward_one_chunk(
@@ -406,8 +411,11 @@ class DistributedPipeline:
         self._cache: dict[tuple, tuple] = {}
         self._nll: list[torch.Tensor] = []
         self._scale = 1.0
-        self._reseeded = False
         self.last_timeline: Timeline | None = None
+        # Positional dropout (mpedu.dropout), as Pipeline and SingleDevice: train() sets both
+        self.dropout_seed, self.dropout_step = 0, 0
+        self._key: dropout.Position | None = None     # this step's, while it trains
+        self._micro_width = 0
 
     # -- runner interface ----------------------------------------------------------
     @property
@@ -442,17 +450,16 @@ class DistributedPipeline:
         if getattr(batch, "carry_state", False):
             raise ValueError("stream mode (carry_state batches, --bptt) is not supported by mpedu.distributed: "
                              "stage outputs must be tensors, so (h, c) cannot be carried; use bucketed batches")
-        if not self._reseeded:
-            # Every rank was seeded alike (same initial weights); from here on each rank's dropout
-            # must draw its own masks, or layers on different ranks would share them.
-            self._reseeded = True
-            if self.rank:
-                torch.manual_seed((torch.initial_seed() + 0x9E3779B97F4A7C15 * self.rank) % 2**63)
         for module in self.modules.values():
             module.train()
         batch, tokens = self._prepare(batch)
         self.recorder.start_step()
-        self._run(batch, tokens, train=True)
+        self._key = dropout.Position(self.dropout_seed, self.dropout_step)
+        try:
+            self._run(batch, tokens, train=True)
+        finally:
+            self._key = None
+        self.dropout_step += 1
         if self.clip:
             self._clip_grad_norm(self.clip)
         events = self.recorder.events() if self.recorder.enabled else []
@@ -497,8 +504,15 @@ class DistributedPipeline:
             raise ValueError("the batch has no real (non-padding) target tokens")
         return batch, tokens
 
+    def _position(self, mb: int) -> dropout.Position | None:
+        """Micro-batch `mb` of the current step() call starts at column (calls so far x per_call + mb) x b."""
+        if self._key is None:
+            return None
+        return self._key.at(sequence=(self.recorder.mb_offset * self.plan.per_call + mb) * self._micro_width)
+
     def _run(self, batch, tokens: int, train: bool) -> None:
         self._nll.clear()
+        self._micro_width = batch.inputs.shape[1] // self.micro_batches
         self._scale = 1.0 / tokens if train else 1.0
         # torch's step() splits its arguments along dim 0, so hand it batch-first (B, T) tensors;
         # the first stage turns them back to time-major. Naive: m calls with one micro-batch each.
@@ -543,7 +557,7 @@ class DistributedPipeline:
                                     requires_grad=True)
                 y = torch.empty((T, b, self.widths[s]), dtype=self.dtype, device=self.device, requires_grad=True)
                 stages.append(_TimedStage(self.modules[s], s, self.num_stages, self.device, input_args=x,
-                                          output_args=y, recorder=self.recorder))
+                                          output_args=y, recorder=self.recorder, position=self._position))
             try:
                 schedule = self.plan.cls(stages if self.plan.multi else stages[0], n, loss_fn=self._loss,
                                          scale_grads=False)
@@ -603,30 +617,54 @@ _ROUND_ROBIN_HINT = ("Round-robin means: cut the layers into v * p consecutive g
                      "where G0..G3 are runs of your model's layers (see model.layer_names)")
 
 
-def setup(backend: str = "auto", timeout: float = TIMEOUT) -> tuple[int, int, torch.device]:
+_heartbeat: Heartbeat | None = None       # this process's watchdog, started by setup()
+
+
+def setup(backend: str = "auto", timeout: float = TIMEOUT, heartbeat: float = HEARTBEAT) -> tuple[int, int, torch.device]:
     """init_process_group from torchrun's environment: (rank, world size, this rank's device).
 
-    gloo on CPU, NCCL on `cuda:LOCAL_RANK` when GPUs are present. `timeout` bounds every
-    wait on a peer, so a rank whose peer died exits with an error instead of hanging.
+    gloo on CPU; NCCL on `cuda:LOCAL_RANK` when every process of the node has a GPU of its own
+    (see `choose_backend`). `timeout` bounds every
+    wait on a peer, so a rank whose peer died exits with an error instead of hanging. `heartbeat`
+    (seconds, 0 for none) ends every rank, naming the silent one, once a peer stops (mpedu.heartbeat).
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("mpedu.distributed runs under torchrun, which starts one process per device: "
                            "torchrun --nproc-per-node 2 -m mpedu.distributed train")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if backend == "auto":   # NCCL only when this process has a GPU of its own
-        backend = "nccl" if torch.cuda.device_count() > local_rank else "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    backend = choose_backend(backend, local_world, torch.cuda.device_count())
     if backend == "nccl":
-        if torch.cuda.device_count() <= local_rank:
-            raise RuntimeError(f"--backend nccl gives each process its own GPU, but local rank {local_rank} "
-                               f"sees {torch.cuda.device_count()} GPU(s): start at most that many processes "
-                               "per node (--nproc-per-node) or use --backend gloo")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        # the device binds NCCL's communicator to this rank's GPU at once (no guessing from the rank)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
+                                device_id=device if device.type == "cuda" else None)
+    global _heartbeat
+    if heartbeat and _heartbeat is None and "MASTER_ADDR" in os.environ:
+        _heartbeat = Heartbeat(dist.get_rank(), dist.get_world_size(), heartbeat).start()
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def choose_backend(backend: str, local_world: int, gpus: int) -> str:
+    """"nccl" or "gloo" for `--backend auto|nccl|gloo`, the same on every rank of a node.
+
+    The choice depends only on what all the node's ranks see alike: how many processes torchrun
+    started here (LOCAL_WORLD_SIZE) and how many GPUs there are. NCCL when every process gets a GPU
+    of its own, else gloo on the CPU for all. (Deciding per rank, "is there a GPU for my local
+    rank", gave two processes on one GPU NCCL on rank 0 and gloo on rank 1: the first barrier hung.)
+    Nodes with different GPU counts can still choose differently: pass the backend explicitly.
+    """
+    if backend == "auto":
+        return "nccl" if 0 < local_world <= gpus else "gloo"
+    if backend == "nccl" and local_world > gpus:
+        fewer = f"start at most {gpus} per node (--nproc-per-node) or " if gpus else ""
+        raise RuntimeError(f"--backend nccl gives each process its own GPU, but torchrun started {local_world} "
+                           f"processes on this node and it has {gpus} GPU(s): {fewer}use --backend gloo")
+    return backend
 
 
 # -- command line -----------------------------------------------------------------------
@@ -659,10 +697,14 @@ def _add_pipeline_options(parser, schedule_help: str) -> None:
     group.add_argument("--micro-batches", type=_positive_int, default=4, metavar="M",
                        help="micro-batches per batch (default: 4); the batch size must be a multiple of M")
     group.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                       help="auto: NCCL on cuda:LOCAL_RANK when GPUs are present, else gloo on the CPU")
+                       help="auto: NCCL on cuda:LOCAL_RANK when every process on the node has a GPU of its "
+                            "own, else gloo on the CPU for all")
     group.add_argument("--timeout", type=_positive_float, default=TIMEOUT, metavar="S",
-                       help=f"seconds a rank waits for a peer before failing (default: {TIMEOUT}); with "
+                       help=f"seconds a rank waits for a busy peer before failing (default: {TIMEOUT}); with "
                             "torchrun, a failing rank also makes torchrun stop the others at once")
+    group.add_argument("--heartbeat", type=_non_negative_float, default=HEARTBEAT, metavar="S",
+                       help=f"a peer that gives no sign of life (stopped, hung, its machine gone) for S seconds "
+                            f"ends every rank with a line naming it; 0: no watchdog (default: {HEARTBEAT:g})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -677,7 +719,8 @@ def build_parser() -> argparse.ArgumentParser:
                             epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
                             description="Train; rank 0 prints one line per epoch and writes model.pt and "
                                         "timeline.json (the last step, every rank) in --out. Not offered: "
-                                        "--bptt (state cannot cross ranks) and --resume.")
+                                        "--bptt (state cannot cross ranks), --resume, and --link (the ranks' "
+                                        "link is real: gloo or NCCL).")
     add_training_options(t, clip_over="all ranks' gradients")
     t.add_argument("--out", default="runs/distributed", metavar="DIR",
                    help="where rank 0 writes model.pt and timeline.json (default: runs/distributed)")
@@ -688,13 +731,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pipeline_options(t, "gpipe, 1f1b, interleaved, zb1 or naive (default: gpipe)")
 
     c = commands.add_parser("check", help="one step: are loss and gradients those of one process?",
-                            description="Run one training step (no dropout) on one batch of the corpus and "
-                                        "compare loss and every gradient with the whole model in one process. "
-                                        "With --out, every rank writes its gradients there.")
+                            description="Run one training step on one batch of the corpus and compare loss "
+                                        "and every gradient with the whole model in one process (dropout "
+                                        "masks are positional, so --dropout P is compared too). With --out, "
+                                        "every rank writes its gradients there.")
     c.add_argument("--data", metavar="DIR", help="corpus folder (default: the embedded corpus)")
     c.add_argument("--config", choices=list(CONFIGS), default=CONFIG)
     c.add_argument("--batch-size", type=_positive_int, default=16, metavar="B")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dropout", type=float, default=0.0, metavar="P",
+                   help="dropout probability of the model (default: 0); the masks are positional, so any P "
+                        "gives the one-process numbers")
     c.add_argument("--out", metavar="DIR", help="write grads-<schedule>-rank<r>.pt, check.json and the "
                    "inputs (check-init.pt, check-batch.pt) here")
     _add_pipeline_options(c, "one or more, comma-separated, e.g. gpipe,1f1b (default: gpipe)")
@@ -735,8 +782,9 @@ def _write_timeline(timeline: Timeline, out: Path, name: str = "timeline") -> li
 def run_train(args) -> int:
     from .data import load_corpus
     from .model import LSTMLM
-    rank, world, device = setup(args.backend, args.timeout)
+    rank, world, device = setup(args.backend, args.timeout, args.heartbeat)
     say = _say(rank)
+    apply_recipe(args, say)
     corpus = load_corpus(args.data)          # every rank reads the data: same batches, same order
     torch.manual_seed(args.seed)
     model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab))
@@ -767,7 +815,7 @@ def run_train(args) -> int:
                        "placement": str(pipe.placement), "schedule": pipe.plan.schedule,
                        "torch_schedule": pipe.plan.cls.__name__, "micro_batches": args.micro_batches,
                        "shapes": len(pipe.shapes), "bubble_fraction_over": "mean of all training steps"}
-            print(json.dumps(summary))
+            print(json_line(summary))
     dist.barrier()
     pipe.close()
     dist.destroy_process_group()
@@ -781,27 +829,36 @@ def run_check(args) -> int:
     from .bucketing import BucketIterator
     from .data import load_corpus
     from .model import LSTMLM
-    rank, world, device = setup(args.backend, args.timeout)
+    rank, world, device = setup(args.backend, args.timeout, args.heartbeat)
     say = _say(rank)
+    if device.type == "cuda":
+        # The comparison claims equality up to fp32 rounding: cuDNN's LSTM (and cuBLAS, where enabled)
+        # would otherwise multiply in TF32, whose 10-bit mantissa differs from the CPU by ~1e-3.
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        say("TF32 off for this check (cuDNN and cuBLAS multiply in plain fp32), so the GPUs can be compared "
+            "with the CPU reference")
     schedules = [s.strip() for s in args.schedule.split(",") if s.strip()]
     if not schedules:
         raise ValueError("--schedule names no schedule; e.g. --schedule gpipe,1f1b")
     placement = _placement_arg(args, world)
     corpus = load_corpus(args.data)
     torch.manual_seed(args.seed)
-    model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab), dropout=0.0)  # no dropout: exact
+    if not 0.0 <= args.dropout < 1.0:
+        raise ValueError(f"--dropout {args.dropout}: expected a probability, 0 <= P < 1")
+    # positional dropout masks (mpedu.dropout): the ranks draw the one-process masks, so --dropout is exact too
+    model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab), dropout=args.dropout)
     batch = next(iter(BucketIterator(corpus.train, args.batch_size, seed=args.seed)))  # has padding
     out = Path(args.out) if args.out else None
     if rank == 0:
         reference = copy.deepcopy(model)
-        logits, _ = reference(batch.inputs)
-        ref_loss = nll_sum(logits, batch.targets) / batch.tokens
-        ref_loss.backward()
+        one = SingleDevice(reference)          # the reference runner: its dropout masks at (seed, step 0)
+        one.dropout_seed = args.seed
+        ref_loss = torch.tensor(one.train_step(batch).loss, dtype=torch.float64)
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
         if out:   # what the ranks start from, so a test can compute the reference itself
             out.mkdir(parents=True, exist_ok=True)
             torch.save({"state": model.state_dict(), "config": model.config.to_dict(),
-                        "vocab_size": model.vocab_size}, out / "check-init.pt")
+                        "vocab_size": model.vocab_size, "seed": args.seed}, out / "check-init.pt")
             torch.save({"inputs": batch.inputs, "targets": batch.targets}, out / "check-batch.pt")
     dist.barrier()
     # a GPU's kernels (cuDNN LSTM) sum in other orders than the CPU reference
@@ -810,6 +867,7 @@ def run_check(args) -> int:
     for name in schedules:
         model.zero_grad(set_to_none=True)
         pipe = DistributedPipeline(model, placement, name, args.micro_batches, device=device)
+        pipe.dropout_seed = args.seed
         result = pipe.train_step(batch)
         grads = pipe.owned_grads()
         if out:
@@ -856,6 +914,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:   # a placement, schedule or size the pipeline cannot run: every rank says why
         print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): {e}", file=sys.stderr)
         return 2
+    except dist.DistError as e:   # a peer failed or timed out: one line, not the backend's traceback
+        first = (str(e).splitlines() or [""])[0][:300]
+        print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): talking to the other ranks failed "
+              f"({e.__class__.__name__}: {first}); see the other ranks' messages for the cause", file=sys.stderr)
+        return 1
+    finally:
+        if _heartbeat is not None:
+            _heartbeat.stop()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,20 @@ PART_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimi
               "peak_activations": "activations (peak)"}
 PART_COLOURS = {"params": "#0072B2", "grads": "#D55E00", "optimizer": "#CC79A7", "peak_activations": "#56B4E9"}
 LINE_COLOURS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000")
+# What a GPU holds beyond what mpedu estimates (say it wherever the two stand side by side)
+GPU_LEAVES_OUT = ("the estimate leaves out the CUDA context (a few hundred MB per GPU, outside PyTorch's "
+                  "allocator), cuDNN/cuBLAS workspaces, blocks PyTorch's caching allocator keeps for reuse "
+                  "(torch.cuda.memory_reserved) and short-lived buffers inside an op; the measured peak "
+                  "counts every tensor on the GPU since the process started (or since "
+                  "torch.cuda.reset_peak_memory_stats)")
+
+
+def measured_peak(device: str) -> int | None:
+    """The most bytes PyTorch's allocator has held at once on a GPU (torch.cuda.max_memory_allocated),
+    measured, for a device name such as "cuda:0"; None for a virtual device or the CPU."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return torch.cuda.max_memory_allocated(torch.device(str(device)))
 
 
 @dataclass
@@ -25,6 +39,7 @@ class DeviceMemory:
     optimizer: int
     peak_activations: int
     activations: list[tuple[float, int]] = field(default_factory=list)   # (seconds, bytes held) over the step
+    measured: int | None = None    # on a GPU: the allocator's peak (see measured_peak); None elsewhere
 
     @property
     def total(self) -> int:
@@ -47,9 +62,11 @@ class MemoryReport:
 
     def table(self) -> str:
         """One line per device, all in one unit so the numbers compare at a glance."""
-        unit, scale = _unit(max([d.total for d in self.devices] + [1]))
-        head = ["device", *(PART_NAMES[p] for p in PARTS), "total"]
+        measured = any(d.measured is not None for d in self.devices)
+        unit, scale = _unit(max([d.total for d in self.devices] + [d.measured or 0 for d in self.devices] + [1]))
+        head = ["device", *(PART_NAMES[p] for p in PARTS), "total"] + (["measured peak"] if measured else [])
         rows = [[d.device, *(f"{getattr(d, p) / scale:.2f}" for p in PARTS), f"{d.total / scale:.2f}"]
+                + ([f"{d.measured / scale:.2f}" if d.measured is not None else "-"] if measured else [])
                 for d in self.devices]
         widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
         lines = [f"memory per device ({unit})"]
@@ -57,6 +74,8 @@ class MemoryReport:
                   for r in [head] + rows]
         if self.optimizer_note:
             lines.append(self.optimizer_note)
+        if measured:
+            lines.append("measured peak: torch.cuda.max_memory_allocated; " + GPU_LEAVES_OUT)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -114,6 +133,7 @@ def memory_report(pipe, timeline, optimizer: torch.optim.Optimizer | None = None
     Gradients are counted as one tensor the size of each trainable parameter (what backward
     allocates). Optimizer state is read from the optimizer; before its first `step()`, when
     torch has not yet created it, it is worked out by stepping a small copy of the optimizer.
+    On a GPU the report also gives the measured peak (`measured_peak`) beside the estimate.
     """
     per_param = _optimizer_bytes(optimizer) if optimizer is not None else None
     fixed: dict[str, list[int]] = {d.name: [0, 0, 0] for d in pipe.devices}
@@ -135,7 +155,8 @@ def memory_report(pipe, timeline, optimizer: torch.optim.Optimizer | None = None
         note = (f"optimizer state: {type(optimizer).__name__} has not stepped yet, so its sizes are "
                 "what its first step will create")
     devices = [DeviceMemory(name, params, grads, opt, timeline.peak_memory(name) if name in timeline.devices else 0,
-                            timeline.memory_over_time(name) if name in timeline.devices else [])
+                            timeline.memory_over_time(name) if name in timeline.devices else [],
+                            measured_peak(name))
                for name, (params, grads, opt) in fixed.items()]
     return MemoryReport(devices, note)
 

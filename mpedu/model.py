@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dropout import PositionalDropout
+
 # Every layer has one interface:  (x, state) -> (y, new_state)
 #   embed   (T, B) int64        -> (T, B, E)   state: None
 #   lstm_l  (T, B, in)          -> (T, B, H)   state: (h, c), each (1, B, H)
@@ -41,12 +43,12 @@ CONFIGS: dict[str, LMConfig] = {
 
 
 class Embed(nn.Module):
-    """Token ids -> vectors, then dropout."""
+    """Token ids -> vectors, then dropout (positional: see mpedu.dropout)."""
 
     def __init__(self, vocab_size: int, embed_size: int, dropout: float):
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, embed_size)
-        self.drop = nn.Dropout(dropout)
+        self.drop = PositionalDropout(dropout, layer=0)
 
     def forward(self, tokens, state=None):  # (T, B) -> (T, B, E)
         return self.drop(self.embedding(tokens)), None
@@ -55,10 +57,10 @@ class Embed(nn.Module):
 class LSTMLayer(nn.Module):
     """One LSTM layer over the whole sequence, then dropout. State (h, c) is (1, B, H) each."""
 
-    def __init__(self, input_size: int, hidden_size: int, dropout: float):
+    def __init__(self, input_size: int, hidden_size: int, dropout: float, index: int = 0):
         super().__init__()
         self.lstm = nn.LSTM(input_size, hidden_size)  # time-major: (T, B, in)
-        self.drop = nn.Dropout(dropout)
+        self.drop = PositionalDropout(dropout, layer=index + 1)   # lstm_l draws mask l + 1 (embed: 0)
 
     def forward(self, x, state=None):  # (T, B, in) -> (T, B, H)
         y, new_state = self.lstm(x, state)
@@ -94,7 +96,7 @@ class LSTMLM(nn.Module):
         layers: dict[str, nn.Module] = {"embed": Embed(vocab_size, config.embed_size, config.dropout)}
         for i in range(config.num_layers):
             in_size = config.embed_size if i == 0 else config.hidden_size
-            layers[f"lstm{i}"] = LSTMLayer(in_size, config.hidden_size, config.dropout)
+            layers[f"lstm{i}"] = LSTMLayer(in_size, config.hidden_size, config.dropout, index=i)
         layers["decode"] = Decode(config.hidden_size, vocab_size)
         self.layers = nn.ModuleDict(layers)
         self.reset_parameters()

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import capacity, schedules
+from . import capacity, dropout, schedules
 from .capacity import DeviceNeed
 from .devices import Device, Worker, get_devices
+from .link import Channel, Link
 from .placement import Placement
 from .schedules import Action, Schedule
 from .stage import Stage
@@ -32,34 +33,66 @@ class _Mailbox:
     releases that lock, waking exactly the one device that waits. A bare lock is
     the cheapest hand-off CPython has: this sits on the critical path of every
     transfer.
+
+    With an emulated `link` a sent tensor is in the mailbox at once (the sender goes
+    on), but lands only when the link's Channel for its direction says: a receive
+    then sleeps until that time, freeing its core as a GPU waiting for a copy would.
     """
 
-    def __init__(self):
+    def __init__(self, link: Link | None = None):
         self._lock = threading.Lock()
         self._items: dict = {}
         self._waiting: dict = {}
         self.aborted = False
+        self._link = link if link is not None and link.emulated else None
+        self._channels: dict = {}          # (from device, to device) -> Channel; each used by one sender
 
-    def put(self, key, value) -> None:
+    def put(self, key, value, route=None, nbytes: int = 0) -> float | None:
+        """Deliver `value` under `key`. On an emulated link, `route` = (from device, to device) names the
+        direction; returns when the tensor lands (a perf_counter time), else None."""
+        landing = None
+        if self._link is not None and route is not None:
+            channel = self._channels.get(route)
+            if channel is None:
+                channel = self._channels[route] = Channel(self._link)
+            landing = channel.arrival(time.perf_counter(), nbytes)
         with self._lock:
-            self._items[key] = value
+            self._items[key] = (value, landing)
             waiter = self._waiting.pop(key, None)
         if waiter is not None:
             waiter.release()
+        return landing
 
     def get(self, key):
         with self._lock:
-            if key in self._items:
-                return self._items.pop(key)
+            item = self._items.pop(key, None)
+            if item is None:
+                if self.aborted:
+                    raise _Aborted
+                waiter = self._waiting[key] = threading.Lock()
+                waiter.acquire()
+        if item is None:
+            waiter.acquire()          # blocks until put() or abort() releases it
+            with self._lock:
+                item = self._items.pop(key, None)
+            if item is None:
+                raise _Aborted
+        value, landing = item
+        if landing is not None:
+            self._wait_until(landing)
+        return value
+
+    def _wait_until(self, landing: float) -> None:
+        """Sleep until perf_counter() reaches `landing`. time.sleep overshoots by about 70-200 us
+        on Linux, so the last 100 us are spun; sleeps are sliced to notice an abort."""
+        while True:
+            left = landing - time.perf_counter()
+            if left <= 0:
+                return
             if self.aborted:
                 raise _Aborted
-            waiter = self._waiting[key] = threading.Lock()
-            waiter.acquire()
-        waiter.acquire()          # blocks until put() or abort() releases it
-        with self._lock:
-            if key in self._items:
-                return self._items.pop(key)
-        raise _Aborted
+            if left > _SPIN_S:
+                time.sleep(min(left - _SPIN_S, 0.1))
 
     def abort(self) -> None:
         with self._lock:
@@ -69,17 +102,27 @@ class _Mailbox:
             waiter.release()
 
 
+_SPIN_S = 100e-6
+
+
 class _Clock:
     """Timestamps for one device during one step: perf_counter on CPU, CUDA events on a GPU
-    (read after the step, so timing never blocks the stream)."""
+    (read after the step, so timing never blocks the stream).
+
+    A GPU event's time is relative to a reference event on the same stream; the reference is
+    tied to the CPU's clock by waiting until the GPU reaches it. Taking the CPU time when the
+    reference is merely queued would shift every GPU time by the work queued before it (the
+    previous optimizer step, which this device's stream now waits for).
+    """
 
     def __init__(self, device: Device, t0: float):
         self.cuda = device.is_cuda
         self.t0 = t0
         if self.cuda:
-            self.ref_cpu = time.perf_counter()
             self.ref = torch.cuda.Event(enable_timing=True)
             self.ref.record()
+            self.ref.synchronize()
+            self.ref_cpu = time.perf_counter()
 
     def mark(self):
         if self.cuda:
@@ -114,10 +157,17 @@ class Pipeline:
     first step on each batch shape, `memory_estimate` (parameters, gradients and the
     activations of the micro-batches the schedule holds at once) is checked against
     it; a device over its cap raises MemoryCapError naming a placement that fits.
+
+    `link` joins virtual devices by an emulated interconnect: a Link, or text for
+    Link.parse ("pcie4", "10gbe/100", "5ms,10MB/s"); None is shared memory (no added
+    delay). A tensor sent at time t then reaches the other device no earlier than
+    t + link.time(bytes): the sender goes on, the receiver sleeps, transfers in one
+    direction queue for the bandwidth (see Link), and the timeline's send event spans
+    the link's time. Between real GPUs copies take their real time: link= is refused.
     """
 
     def __init__(self, model, placement: Placement | str | dict | int = 2, schedule: str | Schedule = "gpipe",
-                 micro_batches: int = 4, chunks: int = 1, memory_cap=None):
+                 micro_batches: int = 4, chunks: int = 1, memory_cap=None, link: Link | str | None = None):
         self.model = model
         self.placement = _as_placement(placement, model)
         if not isinstance(schedule, (str, Schedule)):
@@ -143,25 +193,47 @@ class Pipeline:
         self.micro_batches = self.schedule.micro_batches
         self.chunks = self.schedule.chunks
         self.devices: list[Device] = self.placement.devices
+        self.link = Link.parse(link)
+        gpus = [d.name for d in self.devices if d.is_cuda]
+        if self.link.emulated and gpus and len(self.devices) > 1:
+            raise ValueError(f"link={self.link.name!r} emulates an interconnect between virtual devices, but this "
+                             f"placement uses {', '.join(gpus)}, whose copies take their real time; drop link= "
+                             "here (to predict another interconnect, give it to simulate(..., link=...))")
         self.memory_cap = capacity.parse_caps(memory_cap, self.devices)
         runs = self.placement.stages
         self.stages = []
         for s, (dev, names) in enumerate(runs):
             layers = [model.layers[name].to(dev.torch_device) for name in names]
             self.stages.append(Stage(s, names, layers, dev, is_last=s == len(runs) - 1))
+        for dev in self.devices:
+            # The copies to a GPU (and the LSTM's weight flattening) ran on this thread's stream;
+            # the workers' streams do not wait for it: let them finish before any worker reads them.
+            if dev.is_cuda:
+                torch.cuda.current_stream(dev.torch_device).synchronize()
         # Forward-only order for eval_step: the fill order (GPipe's, or the wavefront's), no backwards.
         fill = (schedules.wavefront(stage_devices, self.micro_batches, self.chunks) if self.chunks > 1
                 else schedules.gpipe(stage_devices, self.micro_batches))
         self._eval_actions = [[a for a in row if a.kind == "F"] for row in fill.actions]
         self.bucket_cache: dict[tuple[int, int], BucketPlan] = {}
         self.last_timeline: Timeline | None = None   # the latest train_step's, for the command line
-        self._workers = [Worker(dev) for dev in self.devices]
+        self._workers = []
+        try:
+            for dev in self.devices:
+                self._workers.append(Worker(dev))
+        except BaseException:     # a GPU that cannot start: end the workers already started
+            _stop_workers(self._workers)
+            raise
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         self._carry_shape = None
+        # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.dropout.
+        # Each train_step uses dropout_step, then counts it up; train() sets both from its seed and
+        # global step, so a resumed run draws the masks the uninterrupted one drew.
+        self.dropout_seed = 0
+        self.dropout_step = 0
 
     def __repr__(self) -> str:
-        return (f"Pipeline({self.placement}, schedule={self.schedule.name}, "
-                f"micro_batches={self.micro_batches})")
+        link = f", link={self.link.name}" if self.link.emulated else ""
+        return f"Pipeline({self.placement}, schedule={self.schedule.name}, micro_batches={self.micro_batches}{link})"
 
     # -- public ---------------------------------------------------------------------
     def train_step(self, batch) -> StepResult:
@@ -225,19 +297,31 @@ class Pipeline:
         if train and self.memory_cap and not plan.memory_checked:
             capacity.check_memory(self, batch, plan)       # before the step: nothing has run yet
         plan.steps += 1
-        micro = [[(mb.inputs[lo:hi], mb.targets[lo:hi]) for lo, hi in plan.chunk_bounds]
-                 for mb in batch.split(self.micro_batches)]
+        micro = _host_micro_batches(batch, self.micro_batches, plan.chunk_bounds,
+                                    pin_inputs=self.stages[0].device.is_cuda,
+                                    pin_targets=self.stages[-1].device.is_cuda)
         tokens = int(batch.tokens)
         if tokens == 0:
             raise ValueError("the batch has no real (non-padding) target tokens")
-        keep_state = bool(getattr(batch, "carry_state", False)) and self._carry_shape == tuple(batch.inputs.shape)
-        self._carry_shape = tuple(batch.inputs.shape) if getattr(batch, "carry_state", False) else None
+        # Stream mode carries each micro-batch's state into the next batch of the same width B, as
+        # SingleDevice does: a shorter window (the last of a pass) keeps it too. Micro-batch i is
+        # columns i*B/m .. of every batch, so its state belongs to the same sequences whatever T is.
+        carry = bool(getattr(batch, "carry_state", False))
+        keep_state = carry and self._carry_shape is not None and self._carry_shape[1] == batch.inputs.shape[1]
+        self._carry_shape = tuple(batch.inputs.shape) if carry else None
         for stage in self.stages:
             stage.reset(keep_state=keep_state)
-        mailbox = _Mailbox()
+        # each (micro-batch, chunk)'s dropout Position: its first column and time step in the batch
+        key = dropout.Position(self.dropout_seed, self.dropout_step)
+        positions = [[key.at(i * plan.micro_batch, lo) for lo, _ in plan.chunk_bounds]
+                     for i in range(self.micro_batches)] if train else None
+        mailbox = _Mailbox(self.link)
         timeline = Timeline([d.name for d in self.devices])
         t0 = time.perf_counter()
-        futures = [worker.submit(self._device_job(d, row, micro, 1.0 / tokens, train, mailbox, timeline, t0))
+        callers = _caller_streams(self.devices)
+        futures = [worker.submit(_after(callers.get(worker.device.name),
+                                        self._device_job(d, row, micro, 1.0 / tokens, train, mailbox, timeline, t0,
+                                                        positions)))
                    for d, (worker, row) in enumerate(zip(self._workers, actions))]
         try:
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -257,16 +341,23 @@ class Pipeline:
                 stage.reset()
             self._carry_shape = None
             raise
+        # ...and the caller's next work on each GPU (clip, optimizer step, zero_grad) waits for this
+        # step's. (Each worker also waits for its stream before it reports, so this costs nothing; after
+        # a failure that wait alone orders them.)
+        for worker in self._workers:
+            if worker.stream is not None:
+                callers[worker.device.name].wait_stream(worker.stream)
         last = self.stages[-1]
         nll = float(torch.stack(list(last.nll.values())).double().sum())   # one sync, not one per micro-batch
         if train:
             for stage in self.stages:
                 stage.saved.clear()
             self.last_timeline = timeline
+            self.dropout_step += 1
         return StepResult(loss=nll / tokens, nll_sum=nll, tokens=tokens, timeline=timeline)
 
     def _device_job(self, d: int, row: list[Action], micro, scale: float, train: bool,
-                    mailbox: _Mailbox, timeline: Timeline, t0: float):
+                    mailbox: _Mailbox, timeline: Timeline, t0: float, positions=None):
         device = self.devices[d]
         here = device.torch_device
         stages, last = self.stages, len(self.stages) - 1
@@ -286,8 +377,10 @@ class Pipeline:
                     ready = torch.cuda.Event()
                     ready.record(torch.cuda.current_stream(tensor.device if tensor.is_cuda else moved.device))
             end = clock.mark()
-            marks.append(("send", src, a, start, end, _nbytes(tensor), stages[dst].device.name, 0))
-            mailbox.put((kind, dst, a.mb, a.chunk), (moved, ready))
+            peer, nbytes = stages[dst].device.name, _nbytes(tensor)
+            # on an emulated link (virtual devices only) the send lasts until the tensor lands
+            landing = mailbox.put((kind, dst, a.mb, a.chunk), (moved, ready), (device.name, peer), nbytes)
+            marks.append(("send", src, a, start, end if landing is None else landing, nbytes, peer, 0))
 
         def receive(kind, a: Action):
             moved, ready = mailbox.get((kind, a.stage, a.mb, a.chunk))
@@ -310,14 +403,16 @@ class Pipeline:
                     inputs, targets = micro[a.mb][a.chunk]          # (t, b) slices of the batch
                     if a.kind == "F":
                         # (the device checks skip a torch call per action on virtual devices)
-                        x = (inputs if inputs.device == here else inputs.to(here)) if a.stage == 0 \
-                            else receive("act", a)
+                        # (pinned on the host when the device is a GPU: the copy does not block)
+                        x = (inputs if inputs.device == here else inputs.to(here, non_blocking=True)) \
+                            if a.stage == 0 else receive("act", a)
                         if a.stage != last:
                             targets = None
                         elif targets.device != here:
-                            targets = targets.to(here)
+                            targets = targets.to(here, non_blocking=True)
                         start = clock.mark()
-                        out = stage.forward(a.mb, a.chunk, x, targets, scale, train=train)
+                        out = stage.forward(a.mb, a.chunk, x, targets, scale, train=train,
+                                            where=positions[a.mb][a.chunk] if positions else None)
                         held = stage.saved_bytes(a.mb, a.chunk)
                         marks.append((a.kind, a.stage, a, start, clock.mark(), 0, "", held))
                         if a.stage < last:
@@ -377,6 +472,38 @@ def _as_placement(placement, model) -> Placement:
         return Placement.even(model, get_devices(placement))
     raise TypeError(f"placement must be a Placement, a string like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1', "
                     f"a dict or a device count; got {type(placement).__name__}")
+
+
+def _host_micro_batches(batch, m: int, chunk_bounds, pin_inputs: bool, pin_targets: bool):
+    """[micro-batch][chunk] -> (inputs, targets), each (t, b), views of the micro-batch's block.
+
+    A block a GPU reads (the first stage's token ids, the last stage's targets) is copied once
+    into page-locked memory: a copy from there does not block the worker, so it can queue
+    work ahead of the GPU; from pageable memory every copy would wait for the GPU.
+    """
+    blocks = [(mb.inputs.pin_memory() if pin_inputs else mb.inputs,
+               mb.targets.pin_memory() if pin_targets else mb.targets) for mb in batch.split(m)]
+    return [[(inputs[lo:hi], targets[lo:hi]) for lo, hi in chunk_bounds] for inputs, targets in blocks]
+
+
+def _caller_streams(devices) -> dict:
+    """{GPU name: the calling thread's stream on it}: where the caller's optimizer step, gradient
+    clipping and zero_grad run (the default stream, unless the caller chose another)."""
+    return {d.name: torch.cuda.current_stream(d.torch_device) for d in devices if d.is_cuda}
+
+
+def _after(caller_stream, job):
+    """`job`, made to start on its GPU worker's stream only after the work already queued on the
+    caller's stream. PyTorch's pool streams do not wait for the default stream, so without this
+    the step's forward could read weights the previous optimizer step has not yet written, and
+    reuse gradient memory that step still reads. Off a GPU (no stream) the job runs as it is."""
+    if caller_stream is None:
+        return job
+
+    def ordered():
+        torch.cuda.current_stream().wait_stream(caller_stream)
+        return job()
+    return ordered
 
 
 def _wait_uninterrupted(futures) -> None:

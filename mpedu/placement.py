@@ -9,6 +9,12 @@ from .devices import Device, get_device, get_devices
 _RANGE_RE = re.compile(r"^([a-z_]+)(\d+)-(\d+)$")
 
 
+def _shown(text) -> str:
+    """repr(text), cut to its start and its length when long: a message never echoes a 10,000-character value."""
+    shown = repr(text)
+    return shown if len(shown) <= 60 else f"{shown[:50]}...' ({len(str(text)):,} characters)"
+
+
 class Placement:
     """An ordered map layer name -> Device covering every layer of a model once.
 
@@ -21,11 +27,11 @@ class Placement:
         self.layer_names = list(layer_names)
         unknown = [name for name in assignment if name not in self.layer_names]
         if unknown:
-            raise ValueError(f"layer {unknown[0]!r} is not in the model; its layers are "
+            raise ValueError(f"layer {_shown(unknown[0])} is not in the model; its layers are "
                              f"{', '.join(self.layer_names)}")
         missing = [name for name in self.layer_names if name not in assignment]
         if missing:
-            raise ValueError(f"layer {missing[0]!r} is not placed on any device; every layer needs one "
+            raise ValueError(f"layer {_shown(missing[0])} is not placed on any device; every layer needs one "
                              f"(unplaced: {', '.join(missing)}). Add it to a group, e.g. "
                              f"'{missing[0]}:vgpu0'")
         if not self.layer_names:
@@ -38,23 +44,27 @@ class Placement:
         """Read `"embed,lstm0-3:vgpu0 | lstm4-7,decode:vgpu1"` (ranges like lstm0-3 allowed)."""
         if not isinstance(text, str):
             raise ValueError(f"a placement string is text like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1', "
-                             f"got {type(text).__name__} {text!r}")
+                             f"got {type(text).__name__} {_shown(text)}")
         if not text.strip():
             raise ValueError("empty placement: write groups like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1'")
         assignment: dict[str, str] = {}
         for group in text.split("|"):
             if group.count(":") < 1:
-                raise ValueError(f"placement group {group.strip()!r} has no device: write 'layers:device', "
+                raise ValueError(f"placement group {_shown(group.strip())} has no device: write 'layers:device', "
                                  "e.g. 'embed,lstm0:vgpu0'")
             layers, device = group.rsplit(":", 1)
             if not device.strip():
-                raise ValueError(f"placement group {group.strip()!r} names no device after ':'")
-            if device.strip().isdigit() and ":" in layers:  # "lstm0:vgpu:1" splits as ("lstm0:vgpu", "1")
-                layers, device = layers.rsplit(":", 1)[0], layers.rsplit(":", 1)[1] + ":" + device
+                raise ValueError(f"placement group {_shown(group.strip())} names no device after ':'")
+            # "lstm0:vgpu:1" splits as ("lstm0:vgpu", "1"); "vgpu:-1" too, and the device then says it does not exist
+            if re.fullmatch(r"\s*-?\d+\s*", device) and ":" in layers:
+                layers, device = layers.rsplit(":", 1)[0], layers.rsplit(":", 1)[1] + ":" + device.strip()
+            if len(device.strip()) > 32:     # device names are short; a long one would be echoed whole below
+                raise ValueError(f"{_shown(device.strip())} is not a device name; devices look like vgpu:0, "
+                                 "cuda:1 or cpu")
             for name in _expand(layers, limit=len(model.layer_names)):
                 if name in assignment:
-                    raise ValueError(f"layer {name!r} is placed twice ({assignment[name]} and "
-                                     f"{device.strip()}); give each layer one device")
+                    raise ValueError(f"layer {_shown(name)} is placed twice ({assignment[name]} and "
+                                     f"{_shown(device.strip())}); give each layer one device")
                 assignment[name] = device.strip()
         return cls(model.layer_names, assignment)
 
@@ -133,15 +143,15 @@ def _expand(layers: str, limit: int | None = None) -> list[str]:
         if match:
             prefix, lo, hi = match.group(1), int(match.group(2)), int(match.group(3))
             if hi < lo:
-                raise ValueError(f"layer range {item!r} runs backwards; write {prefix}{hi}-{lo}")
+                raise ValueError(f"layer range {_shown(item)} runs backwards; write {prefix}{hi}-{lo}")
             if limit is not None and hi - lo >= limit:
-                raise ValueError(f"layer range {item!r} is wider than the model, which has {limit} layers; "
+                raise ValueError(f"layer range {_shown(item)} is wider than the model, which has {limit} layers; "
                                  f"write a range such as {prefix}0-1")
             names += [f"{prefix}{k}" for k in range(lo, hi + 1)]
         else:
             names.append(item)
     if not names:
-        raise ValueError(f"a placement group names no layers before its device: {layers!r}")
+        raise ValueError(f"a placement group names no layers before its device: {_shown(layers)}")
     return names
 
 

@@ -18,8 +18,14 @@ BOX_HEIGHT = 0.7              # rows are 1 apart; the gap between boxes of two r
 
 
 def plot_timeline(timeline, ax=None, *, title=None, time_unit="ms", show_transfers=True, xlim=None,
-                  legend=True):
-    """Draw `timeline` as a Gantt chart on `ax` (a new Figure's Axes when None) and return the Axes."""
+                  legend=True, legend_for=None):
+    """Draw `timeline` as a Gantt chart on `ax` (a new Figure's Axes when None) and return the Axes.
+
+    The legend (above the chart) keys every kind of mark drawn: F, B and W boxes, the hatched
+    later stages of a device, transfers, idle time; the x-axis label says how to read a box's label.
+    `legend_for`: the timelines the legend and that key must cover when one legend serves several
+    panels (default: this timeline alone).
+    """
     if time_unit not in UNITS:
         raise ValueError(f"time_unit must be one of {sorted(UNITS)}, got {time_unit!r}")
     scale = UNITS[time_unit]
@@ -41,6 +47,7 @@ def plot_timeline(timeline, ax=None, *, title=None, time_unit="ms", show_transfe
     held = {d: sorted({e.stage for e in compute if e.device == d}) for d in rows}
     several = any(len(s) > 1 for s in held.values())
     chunked = any(e.chunk for e in compute)   # time chunks: every label names its chunk, 0 included
+    marks = _marks([timeline] if legend_for is None else legend_for, show_transfers)
     order = {(d, s): k for d, stages in held.items() for k, s in enumerate(stages)}
 
     # Boxes go in with add_artist: the limits are set below, and skipping barh's per-patch
@@ -67,7 +74,7 @@ def plot_timeline(timeline, ax=None, *, title=None, time_unit="ms", show_transfe
     ax.set_yticks(range(len(rows)), list(rows))
     ax.set_ylim(len(rows) - 0.5, -0.5)          # device 0 at the top
     ax.set_xlim(lo, hi)
-    ax.set_xlabel(f"time ({time_unit})")
+    ax.set_xlabel(f"time ({time_unit})" + _label_key(marks))
     ax.tick_params(axis="y", length=0)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
@@ -76,7 +83,7 @@ def plot_timeline(timeline, ax=None, *, title=None, time_unit="ms", show_transfe
     ax.set_title(f"{name}: makespan {timeline.makespan * scale:.1f} {time_unit}, "
                  f"bubble {timeline.bubble_fraction:.0%}", loc="left", fontsize=10, pad=20 if legend else 6)
     if legend:
-        ax.legend(handles=_legend_handles(timeline, held, several, show_transfers), loc="lower left",
+        ax.legend(handles=_legend_handles(marks), loc="lower left",
                   bbox_to_anchor=(0.0, 1.0), ncol=8, fontsize=7.5, frameon=False, borderaxespad=0.1,
                   borderpad=0.1, handlelength=1.4, columnspacing=1.2)
     return ax
@@ -96,8 +103,9 @@ def plot_timelines(timelines, titles=None, shared_axis=True, time_unit="ms") -> 
                         gridspec_kw={"height_ratios": heights})[:, 0]
     hi = max((e.end for t in timelines for e in t.events), default=1.0) * UNITS[time_unit]
     for i, (t, ax, title) in enumerate(zip(timelines, axes, titles)):
+        # one legend, on the top panel, keys the marks of every panel (the W boxes may be only in the last)
         plot_timeline(t, ax, title=title, time_unit=time_unit, xlim=(0.0, hi) if shared_axis else None,
-                      legend=i == 0)
+                      legend=i == 0, legend_for=timelines)
         if shared_axis and i < len(timelines) - 1:
             ax.set_xlabel("")
             ax.tick_params(axis="x", labelbottom=False)
@@ -157,19 +165,39 @@ def _draw_transfers(ax, timeline, rows, scale) -> None:
             ax.scatter(xs, ys, marker=marker, s=9, color=TRANSFER_COLOUR, linewidths=0, zorder=4)
 
 
-def _legend_handles(timeline, held, several, show_transfers):
-    kinds = {e.kind for e in timeline.compute()}
-    handles = [Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in "FBW" if k in kinds]
-    if several:
-        most = max(len(s) for s in held.values())
+def _marks(timelines, show_transfers: bool) -> dict:
+    """What the timelines draw: box kinds, the most stages one device holds, time chunks, transfers."""
+    compute = [e for t in timelines for e in t.compute()]
+    stages = {}
+    for e in compute:
+        stages.setdefault(e.device, set()).add(e.stage)
+    return {"kinds": {e.kind for e in compute},
+            "most_stages": max((len(s) for s in stages.values()), default=1),
+            "chunked": any(e.chunk for e in compute),
+            "transfers": show_transfers and any(t.transfers() for t in timelines)}
+
+
+def _legend_handles(marks: dict):
+    handles = [Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in "FBW" if k in marks["kinds"]]
+    if marks["most_stages"] > 1:
         handles += [Patch(facecolor=_lighter("#999999", 0.45 * k), hatch="//" if k else None,
                           edgecolor=_darker(_lighter("#999999", 0.45 * k)),
-                          label=f"{_ordinal(k + 1)} stage on a device") for k in range(most)]
-    if show_transfers and timeline.transfers():
+                          label=f"{_ordinal(k + 1)} stage on a device") for k in range(marks["most_stages"])]
+    if marks["transfers"]:
         handles.append(Line2D([], [], color=TRANSFER_COLOUR, marker="v", markersize=4, linewidth=0.8,
                               label="transfer"))
     handles.append(Patch(facecolor=IDLE_COLOUR, label="idle"))
     return handles
+
+
+def _label_key(marks: dict) -> str:
+    """How to read a box's label, for the x-axis label: e.g. '1F3.2 = stage 1's forward of micro-batch 3, chunk 2'."""
+    if not marks["kinds"]:
+        return ""
+    several, chunked = marks["most_stages"] > 1, marks["chunked"]
+    example = ("1" if several else "") + "F3" + (".2" if chunked else "")
+    words = ("stage 1's " if several else "") + "forward of micro-batch 3" + (", time chunk 2" if chunked else "")
+    return f"      (a box labelled {example} = {words})"
 
 
 def _points_per_unit(ax, lo, hi) -> float:

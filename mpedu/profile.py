@@ -145,27 +145,34 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
 
     The layers run on the device's own worker (single-threaded on a virtual device,
     like in a Pipeline), each as a one-layer stage would: input detached at the
-    boundary, the last layer including the loss. Layers are moved to the device.
+    boundary, the last layer including the loss. They are a copy of the model's, on
+    the device: the caller's model stays where it is, with its gradients and mode (a
+    live Pipeline keeps its layers on its GPUs).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     dev = get_device(device)
     micro = batch.split(micro_batches)[0]
-    layers = [model.layers[name].to(dev.torch_device) for name in model.layer_names]
+    twin = _copy_without_grads(model).to(dev.torch_device).train()
+    layers = [twin.layers[name] for name in model.layer_names]
     worker = Worker(dev)
-    was_training = model.training
-    grads = {p: p.grad for p in model.parameters()}    # profiling must not touch accumulated gradients
-    for p in grads:
-        p.grad = None                                   # (backward would add into them in place)
-    model.train()
     try:
         measured = worker.submit(lambda: _measure(layers, micro, dev, warmup, repeats)).result()
     finally:
         worker.stop()
-        model.train(was_training)
+    return Costs(model.layer_names, *measured, micro_batch=tuple(micro.inputs.shape), device=dev.name)
+
+
+def _copy_without_grads(model):
+    """A deep copy of `model` (tied weights stay tied) whose parameters have no .grad yet."""
+    grads = {p: p.grad for p in model.parameters()}
+    try:
+        for p in grads:
+            p.grad = None
+        return copy.deepcopy(model)
+    finally:
         for p, g in grads.items():
             p.grad = g
-    return Costs(model.layer_names, *measured, micro_batch=tuple(micro.inputs.shape), device=dev.name)
 
 
 def _measure(layers, micro, dev, warmup, repeats):
@@ -249,7 +256,7 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
             param_bytes, shared)
 
 
-def measure_cores(n: int = 2, repeats: int = 3, model=None, batch=None) -> float:
+def measure_cores(n: int = 2, repeats: int = 5, model=None, batch=None, steps: int = 4) -> float:
     """How many virtual devices' worth of work this machine does at once, now.
 
     Times some work on one worker alone, then the same work on n workers together:
@@ -257,6 +264,8 @@ def measure_cores(n: int = 2, repeats: int = 3, model=None, batch=None) -> float
     cores fight over memory bandwidth), nearer 1 when other work takes the cores.
     The work is a copy of `model`'s forward and backward on `batch` (one
     micro-batch: the pipeline's own work) or, without them, a 256-wide LSTM layer.
+    Each measurement runs `steps` forward-and-backward steps (long enough that timer
+    and thread start-up noise do not count); the result is the median of `repeats`.
     Pass the result as simulate(..., cores=...).
     """
     if n < 2:
@@ -273,14 +282,17 @@ def measure_cores(n: int = 2, repeats: int = 3, model=None, batch=None) -> float
     def job(m):
         def run():
             start = time.perf_counter()
-            for _ in range(2):
+            for _ in range(steps):
                 step(m)
             return time.perf_counter() - start
         return run
 
     ratios = []
     try:
-        workers[0].submit(job(copies[0])).result()         # warm-up
+        # Warm every worker up, together: a worker's first steps fault in its own allocator arena,
+        # which would count as "the cores are busy" in the first measurement.
+        for f in [w.submit(job(m)) for w, m in zip(workers, copies)]:
+            f.result()
         for _ in range(repeats):
             alone = workers[0].submit(job(copies[0])).result()
             together = max(f.result() for f in [w.submit(job(m)) for w, m in zip(workers, copies)])

@@ -1,66 +1,18 @@
 """Predict a pipeline step: play a schedule with per-stage costs and a link model into a Timeline."""
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass
 from numbers import Real
 from typing import Mapping, Sequence
 
 from . import schedules
+from .link import Channel, Link
 from .profile import Costs, StageCost
 from .schedules import Schedule
 from .timeline import Event, Timeline
 
 
-@dataclass(frozen=True)
-class Link:
-    """Time to hand a tensor to another device: latency_s + bytes / bandwidth_Bps.
-
-    The default is two virtual devices on one CPU (a queue hand-off, no copy).
-    Typical numbers for GPUs: PCIe 4.0 x16 about 25e9 B/s, NVLink 3 about 300e9 B/s,
-    each with a latency of around 10e-6 s. A transfer does not hold up the sender
-    (GPUs copy on their own engines); the receiver waits for it to land.
-    """
-
-    latency_s: float = 20e-6
-    bandwidth_Bps: float = float("inf")
-
-    def time(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bandwidth_Bps
-
-    @classmethod
-    def fit(cls, timeline: Timeline) -> "Link":
-        """Calibrate from a measured timeline: the latency is the median delay between an
-        action's end and the start of the action on another device that was waiting for it;
-        the bandwidth comes from the send durations when their sizes differ (else infinite)."""
-        ends = {(e.kind, e.stage, e.mb, e.chunk): e for e in timeline.compute()}
-        previous_end = {}
-        for d in timeline.devices:
-            boxes = timeline.compute(d)
-            previous_end.update({(e.kind, e.stage, e.mb, e.chunk): a.end for a, e in zip(boxes, boxes[1:])})
-        gaps = []
-        for key, e in ends.items():
-            kind, s, i, c = key
-            dep = ends.get(("F", s - 1, i, c)) if kind == "F" else ends.get(("B", s + 1, i, c)) if kind == "B" else None
-            if dep is not None and dep.device != e.device and previous_end.get(key, 0.0) <= dep.end:
-                gaps.append(e.start - dep.end)   # the receiver sat idle until the data came
-        if not gaps:
-            raise ValueError("the timeline has no action that waited for another device; "
-                             "fit a Link on a measured multi-device step")
-        bandwidth = float("inf")
-        sends = timeline.transfers()
-        if len({e.bytes for e in sends}) > 1:
-            n = len(sends)
-            mx, my = sum(e.bytes for e in sends) / n, sum(e.duration for e in sends) / n
-            cov = sum((e.bytes - mx) * (e.duration - my) for e in sends)
-            var = sum((e.bytes - mx) ** 2 for e in sends)
-            if cov > 0:
-                bandwidth = var / cov
-        return cls(max(statistics.median(gaps), 0.0), bandwidth)
-
-
 def simulate(schedule, costs, placement=None, *, micro_batches: int | None = None, chunks: int = 1,
-             link: Link | None = None,
+             link: Link | str | None = None,
              speed: Mapping[str, float] | Sequence[float] | None = None, cores: float | None = None,
              devices: Sequence[str] | None = None) -> Timeline:
     """Play `schedule` with `costs` and return the predicted Timeline (source "predicted").
@@ -81,6 +33,9 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     cores: for virtual devices sharing a CPU, how many run at full speed at once
     (os.cpu_count(), or profile.measure_cores()); while n > 1 devices compute, each
     runs at min(1, cores / n) of its speed. None: devices never slow each other.
+    link: a Link, or text for Link.parse ("pcie4", "10gbe/100"); None is the shared-memory
+    default. Charged as the Pipeline charges it: the sender goes on, the receiver waits,
+    and transfers in one direction between two devices queue for the bandwidth (see Link).
     Device names come from the placement, else `devices`, else gpu:0 … gpu:p-1.
     """
     if hasattr(schedule, "schedule") and hasattr(schedule, "placement"):   # a Pipeline
@@ -114,7 +69,7 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
         raise ValueError(f"{len(names)} device names {names} for a schedule on {schedule.num_devices} devices")
     if cores is not None and not cores > 0:
         raise ValueError(f"cores={cores}: give a positive number of cores, or None for independent devices")
-    return _play(schedule, stage_costs, names, link or Link(), _speeds(speed, names), cores)
+    return _play(schedule, stage_costs, names, Link.parse(link), _speeds(speed, names), cores)
 
 
 def _speeds(speed, names: list[str]) -> list[float]:
@@ -140,47 +95,69 @@ def _speeds(speed, names: list[str]) -> list[float]:
 
 def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], link: Link,
           speed: list[float], cores: float | None = None) -> Timeline:
-    """Time every action (schedules.run_order, or _run_shared when devices share cores) and turn that into events.
+    """Time every action (schedules.run_order, or _run_shared when devices share cores or
+    transfers may queue) and turn that into events.
 
     An action's time is its stage cost / time chunks / the device's speed. A tensor
-    crossing devices delays the receiver by link.time(bytes): F's activation goes to
-    stage s+1, B's input gradient (same size as stage s-1's output) to stage s-1.
+    crossing devices reaches the receiver when the link's Channel for that direction
+    says: link.time(bytes) after the send on an idle link, later behind earlier
+    transfers. F's activation goes to stage s+1, B's input gradient (same size as
+    stage s-1's output) to stage s-1.
     """
     split, chunks, sd = schedule.split_backward, schedule.chunks, schedule.stage_devices
-    n = schedule.num_stages
+    n, inf = schedule.num_stages, float("inf")
     # Seconds per action kind and stage on its own device, before the speed factor.
     per_kind = {"F": [c.forward / chunks for c in stage_costs],
                 "B": [(c.backward_input if s in split else c.backward) / chunks for s, c in enumerate(stage_costs)],
                 "W": [c.backward_weight / chunks for c in stage_costs]}
-    # The tensor an action waits for from another device: F(s) gets stage s-1's output,
-    # B(s) gets the gradient of stage s's output; bytes per time chunk.
-    recv = {"F": [0.0] + [link.time(stage_costs[s - 1].output_bytes / chunks) for s in range(1, n)],
-            "B": [link.time(c.output_bytes / chunks) for c in stage_costs], "W": [0.0] * n}
+
+    def outgoing(a):
+        """(receiving stage, bytes per time chunk) of the tensor `a` sends to another stage, else None."""
+        peer = a.stage + 1 if a.kind == "F" else a.stage - 1 if a.kind == "B" else -1
+        return (peer, int(stage_costs[min(a.stage, peer)].output_bytes / chunks)) if 0 <= peer < n else None
 
     cost = lambda d, a: per_kind[a.kind][a.stage] / speed[d]      # noqa: E731
-    link_time = lambda a: recv[a.kind][a.stage]                    # noqa: E731
-    if cores is None or cores >= schedule.num_devices:
-        played = schedules.run_order(schedule, cost, link_time)
+    arrivals: dict = {}                                            # sending action -> when its tensor lands
+    if link.bandwidth_Bps == inf and (cores is None or cores >= schedule.num_devices):
+        # Without a bandwidth limit transfers never queue: each lands link.time(bytes) after its send.
+        # The tensor an action waits for: F(s) gets stage s-1's output, B(s) the gradient of stage s's output.
+        recv = {"F": [0.0] + [link.time(stage_costs[s - 1].output_bytes / chunks) for s in range(1, n)],
+                "B": [link.time(c.output_bytes / chunks) for c in stage_costs], "W": [0.0] * n}
+        played = schedules.run_order(schedule, cost, lambda a: recv[a.kind][a.stage])
     else:
-        played = _run_shared(schedule, cost, link_time, cores)
+        channels: dict = {}                                        # (from device, to device) -> Channel
+
+        def send(d, a, end):
+            out = outgoing(a)
+            if out is None or sd[out[0]] == d:
+                return None
+            channel = channels.setdefault((d, sd[out[0]]), Channel(link))
+            arrivals[a] = channel.arrival(end, out[1])
+            return arrivals[a]
+
+        played = _run_shared(schedule, cost, None, inf if cores is None else cores, send=send)
     timeline = Timeline(list(names), source="predicted")
     events = timeline.events
     for d, a, start, end in played:
         events.append(Event(names[d], a.kind, a.stage, a.mb, start, end, a.chunk))
-        peer = a.stage + 1 if a.kind == "F" else a.stage - 1 if a.kind == "B" else -1
-        if 0 <= peer < n and sd[peer] != d:
-            nbytes = int(stage_costs[min(a.stage, peer)].output_bytes / chunks)
-            events.append(Event(names[d], "send", a.stage, a.mb, end, end + link.time(nbytes), a.chunk,
-                                nbytes, names[sd[peer]]))
+        out = outgoing(a)
+        if out is not None and sd[out[0]] != d:
+            peer, nbytes = out
+            events.append(Event(names[d], "send", a.stage, a.mb, end, arrivals.get(a, end + link.time(nbytes)),
+                                a.chunk, nbytes, names[sd[peer]]))
     return timeline
 
 
-def _run_shared(schedule: Schedule, cost, link, cores: float) -> list[tuple[int, object, float, float]]:
+def _run_shared(schedule: Schedule, cost, link, cores: float, send=None) -> list[tuple[int, object, float, float]]:
     """Like schedules.run_order, but devices share `cores` processors: while n devices compute, each
     progresses at min(1, cores / n) seconds of work per second (processor sharing; alone, at 1).
-    Steps from event to event: an action finishing, or one becoming ready to start."""
+    Steps from event to event: an action finishing, or one becoming ready to start.
+
+    A dependency from another device is usable `link(action)` seconds after it ends, or, with
+    `send(device, action, end) -> arrival`, when send says: it is called as each action ends,
+    in time order, so a Channel can queue the transfers (None: the action sends nothing)."""
     p, inf = schedule.num_devices, float("inf")
-    done: dict = {}                                     # action -> (device, end)
+    done: dict = {}                                     # action -> (device, end, arrival elsewhere or None)
     free, pos = [0.0] * p, [0] * p
     current: list = [None] * p                          # [action, start, work left in seconds]
     played, now = [], 0.0
@@ -194,7 +171,8 @@ def _run_shared(schedule: Schedule, cost, link, cores: float) -> list[tuple[int,
             deps = schedule.dependencies(a)
             if any(dep not in done for dep in deps):
                 continue
-            ready = max([free[d]] + [end + (link(a) if src != d else 0.0) for src, end in map(done.get, deps)])
+            ready = max([free[d]] + [end if src == d else arrival if arrival is not None else end + link(a)
+                                     for src, end, arrival in map(done.get, deps)])
             if ready <= now:
                 current[d] = [a, now, cost(d, a)]
             else:
@@ -211,7 +189,7 @@ def _run_shared(schedule: Schedule, cost, link, cores: float) -> list[tuple[int,
             current[d][2] -= step * rate
             if current[d][2] <= 1e-12 * max(1.0, now):    # finished (up to rounding)
                 a, start, _ = current[d]
-                done[a] = (d, now)
+                done[a] = (d, now, send(d, a, now) if send is not None else None)
                 free[d] = now
                 pos[d] += 1
                 played.append((d, a, start, now))

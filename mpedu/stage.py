@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import dropout
 from .devices import Device
 from .model import nll_sum
 
@@ -58,8 +59,8 @@ class Stage:
         self.device = device
         self.is_first = index == 0
         self.is_last = is_last
-        self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
-        self._param_storages = {p.untyped_storage().data_ptr() for p in self.params}
+        self._all_params = [p for layer in layers for p in layer.parameters()]
+        self._param_storages = {p.untyped_storage().data_ptr() for p in self._all_params}
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.state: dict[int, dict] = {}        # micro-batch -> per-layer (h, c) after its latest chunk
         self.state_grad: dict[tuple[int, int], list[torch.Tensor | None]] = {}
@@ -67,6 +68,12 @@ class Stage:
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, {','.join(self.names)} on {self.device})"
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The weights backward trains: those that require grad now (a layer frozen or thawed after
+        the pipeline was built counts as it is at the step)."""
+        return [p for p in self._all_params if p.requires_grad]
 
     def reset(self, keep_state: bool = False) -> None:
         """Forget a step's saved tensors (and, unless carrying it, the recurrent state)."""
@@ -78,8 +85,11 @@ class Stage:
 
     # -- forward --------------------------------------------------------------------
     def forward(self, mb: int, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None,
-                scale: float = 1.0, train: bool = True) -> torch.Tensor:
-        """Run the layers on one micro-batch; on the last stage return `nll_sum * scale`."""
+                scale: float = 1.0, train: bool = True, where: dropout.Position | None = None) -> torch.Tensor:
+        """Run the layers on one micro-batch; on the last stage return `nll_sum * scale`.
+
+        `where`: the step's dropout Position at this (micro-batch, chunk)'s first column and time
+        step, so that its masks are that slice of the one-device masks (mpedu.dropout)."""
         if not train:
             with torch.no_grad():
                 return self._run(mb, chunk, x, targets, scale, train=False)[0]
@@ -87,7 +97,7 @@ class Stage:
             x = x.detach().requires_grad_(True)     # boundary: backward stops here
         storages: dict[int, int] = {}
         pack = self._counting_hook(storages, x, targets)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dropout.at(where):
             out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
         self.saved[mb, chunk] = _Saved(x if x.requires_grad else None, out, state_in, state_out,
                                        saved_bytes=sum(storages.values()))
@@ -159,8 +169,17 @@ class Stage:
                     outputs.append(t)
                     grads.append(g)
         leaves = ([saved.x] if saved.x is not None else []) + saved.state_in
+        params = self.params
+        if not leaves and not (params and saved.output.requires_grad):
+            # Nothing here wants a gradient: frozen layers whose input is token ids (or whose
+            # output does not depend on a trainable weight). autograd refuses an empty `inputs`,
+            # and there is nothing to compute: hand nothing upstream. (Split B/W: W drops what
+            # forward kept, as it would have.)
+            if weights:
+                del self.saved[mb, chunk]
+            return None
         if weights:
-            torch.autograd.backward(outputs, grads, inputs=leaves + self.params)
+            torch.autograd.backward(outputs, grads, inputs=leaves + params)
             leaf_grads = [t.grad for t in leaves]
             del self.saved[mb, chunk]
         else:
@@ -174,6 +193,9 @@ class Stage:
     def backward_weight(self, mb: int, chunk: int) -> None:
         """W: accumulate the weight gradients of a micro-batch whose B already ran."""
         saved = self.saved.pop((mb, chunk))
+        if saved.grads is None:       # B found nothing to differentiate (frozen layers on token ids)
+            return
         outputs, grads = saved.grads
-        if self.params:
-            torch.autograd.backward(outputs, grads, inputs=self.params)
+        params = self.params
+        if params and outputs[0].requires_grad:
+            torch.autograd.backward(outputs, grads, inputs=params)

@@ -5,6 +5,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .files import atomic_write
+
 
 @dataclass(slots=True)     # not frozen: a frozen dataclass is 5x slower to build, and a step builds hundreds
 class Event:
@@ -117,8 +119,8 @@ class Timeline:
         return cls(list(d["devices"]), [Event(**e) for e in d["events"]], d.get("source", "measured"))
 
     def to_json(self, path) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f)
+        # temp file + rename, like a checkpoint: a symlink planted at `path` is replaced, not followed
+        atomic_write(path, lambda f: json.dump(self.to_dict(), f), binary=False)
 
     # -- pictures and traces --------------------------------------------------------
     def plot(self, ax=None, *, title=None, time_unit="ms", show_transfers=True, xlim=None):
@@ -136,27 +138,49 @@ class Timeline:
 
         One process, one track per device; actions and sends are complete ("X") events, each
         send also a flow arrow to the receiving track; activation memory is a counter per device.
+        A send that overlaps its device's other slices (on an emulated link it lasts until its
+        tensor lands, past the sender's next actions) goes on a track "<device> sends" below,
+        one more per overlapping send: viewers drop slices that overlap without nesting.
         """
         us = 1e6   # the format counts microseconds
         tid = {d: i for i, d in enumerate(self.devices)}
         events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0,
                                "args": {"name": f"mpedu step ({self.source})"}}]
+        lane_of, lanes = {}, {d: [] for d in self.devices}   # send -> track; per device [[track, free from]]
+        kept = {d: [(c.start, c.end) for c in self.compute(d)] for d in self.devices}
+        for e in self.transfers():
+            if not any(e.start < end and start < e.end for start, end in kept[e.device]):
+                kept[e.device].append((e.start, e.end))
+                lane_of[id(e)] = tid[e.device]
+                continue
+            lane = next((lane for lane in lanes[e.device] if lane[1] <= e.start), None)
+            if lane is None:
+                lane = [len(tid) + sum(map(len, lanes.values())), e.start]
+                lanes[e.device].append(lane)
+            lane[1], lane_of[id(e)] = e.end, lane[0]
         for d, i in tid.items():
             events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": d}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": i, "args": {"sort_index": i}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": i,
+                           "args": {"sort_index": 100 * i}})
+            for k, (lane, _) in enumerate(lanes[d]):
+                events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": lane,
+                               "args": {"name": f"{d} sends" + (f" ({k + 1})" if k else "")}})
+                events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": lane,
+                               "args": {"sort_index": 100 * i + 1 + k}})
         for n, e in enumerate(sorted(self.events, key=lambda e: e.start)):
             where = f"mb{e.mb} s{e.stage}" + (f" c{e.chunk}" if e.chunk else "")
             args = {"stage": e.stage, "mb": e.mb, "chunk": e.chunk, "bytes": e.bytes, "memory_change": e.memory}
             name = f"{e.kind} {where}"
             if e.kind == "send":
                 name, args["to"] = f"send {where} -> {e.peer}", e.peer
-            events.append({"ph": "X", "name": name, "cat": e.kind, "pid": 0, "tid": tid[e.device],
+            track = lane_of[id(e)] if e.kind == "send" else tid[e.device]
+            events.append({"ph": "X", "name": name, "cat": e.kind, "pid": 0, "tid": track,
                            "ts": e.start * us, "dur": e.duration * us, "args": args})
             if e.kind == "send" and e.peer in tid:
                 # an arrow from the send slice to the action that used the data; if that action
                 # is not in the timeline, to whatever the receiver starts next after the arrival
                 flow = {"name": "transfer", "cat": "transfer", "pid": 0, "id": n}
-                events.append({**flow, "ph": "s", "tid": tid[e.device], "ts": e.start * us})
+                events.append({**flow, "ph": "s", "tid": track, "ts": e.start * us})
                 used = self._receiver(e)
                 land = {"bp": "e", "ts": (used.start + used.duration / 2) * us} if used else {"ts": e.end * us}
                 events.append({**flow, "ph": "f", "tid": tid[e.peer], **land})
@@ -181,8 +205,7 @@ class Timeline:
 
     def to_chrome_trace(self, path) -> None:
         """Write `chrome_trace()` as JSON to `path`: open it at ui.perfetto.dev or chrome://tracing."""
-        with open(path, "w") as f:
-            json.dump(self.chrome_trace(), f)
+        atomic_write(path, lambda f: json.dump(self.chrome_trace(), f), binary=False)
 
     def save(self, out_dir, stem: str = "step") -> list[Path]:
         """Write <stem>.png (the Gantt chart), <stem>.json (Chrome trace) and <stem>.timeline.json
@@ -190,7 +213,8 @@ class Timeline:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = [out / f"{stem}.png", out / f"{stem}.json", out / f"{stem}.timeline.json"]
-        self.plot().figure.savefig(paths[0], dpi=120)
+        figure = self.plot().figure
+        atomic_write(paths[0], lambda f: figure.savefig(f, dpi=120, format="png"))
         self.to_chrome_trace(paths[1])
         self.to_json(paths[2])
         return paths

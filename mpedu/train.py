@@ -17,21 +17,14 @@ from tqdm.auto import tqdm
 # Checkpoints live in mpedu.checkpoint; these names stay importable from here for older code.
 from .checkpoint import (CHECKPOINT_FORMAT, MODEL_FORMAT, CheckpointError, load_checkpoint,  # noqa: F401
                          load_model, remove_stale_temp, save_checkpoint, save_model, set_rng_state)
+from .files import WriteFailed, why
 from .faults import NumericFault, all_finite, find_fault  # noqa: F401  (NumericFault: raised by train)
+from . import dropout
 from .model import LSTMLM, detach_state, nll_sum
+# the defaults are the tiny recipe's (mpedu.recipes explains them and the learning-rate convention)
+from .recipes import BATCH_SIZE, CLIP, EPOCHS, LR
 
-# Defaults, chosen so `python -m mpedu train` (tiny model, embedded corpus) takes about two
-# minutes on 2 cores with validation perplexity falling every epoch (measured: 171, 141, 124,
-# 98, 92, 89 against a unigram 382). The loss is the mean NLL per token, so the lr is in the
-# range of PyTorch's word_language_model example (lr 20, clip 0.25), not Zaremba's lr 1 /
-# clip 5, which was for a loss summed over 35 steps. lr 20 learns as fast but overshoots in
-# epoch 3 (valid 124 -> 132) before the halving rule catches it; lr 10 falls smoothly.
-# Batches of 32 give a 4-micro-batch pipeline 8 columns per micro-batch.
 CONFIG = "tiny"
-EPOCHS = 6
-BATCH_SIZE = 32
-LR = 10.0
-CLIP = 0.25
 CHECKPOINT_EVERY = 200       # steps (batches) within an epoch; every epoch end too
 
 
@@ -51,11 +44,14 @@ class SingleDevice:
     `train_step` accumulates gradients into `.grad` (the trainer zeroes and steps).
     Hidden state starts at zero for every batch, unless `batch.carry_state` (stream
     mode): then it is carried, detached, from the previous batch of the same width.
+    Dropout masks are those of Position(dropout_seed, dropout_step) (mpedu.dropout), the
+    same a Pipeline draws; each train_step counts dropout_step up.
     """
 
     def __init__(self, model: LSTMLM, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
         self.model = model.to(self.device)
+        self.dropout_seed, self.dropout_step = 0, 0
         self.reset_state()
 
     def reset_state(self) -> None:
@@ -78,8 +74,10 @@ class SingleDevice:
 
     def train_step(self, batch) -> StepResult:
         self.model.train()
-        nll = self._nll(batch)
+        with dropout.at(dropout.Position(self.dropout_seed, self.dropout_step)):   # the whole batch: (b0, t0) = (0, 0)
+            nll = self._nll(batch)
         (nll / batch.tokens).backward()
+        self.dropout_step += 1
         return StepResult(nll.item() / batch.tokens, nll.item(), batch.tokens)
 
     @torch.no_grad()
@@ -157,6 +155,11 @@ def next_lr(lr: float, valid_ppls: list[float], *, min_gain: float = 1.0, factor
     if len(valid_ppls) >= 2 and valid_ppls[-2] - valid_ppls[-1] < min_gain:
         return lr * factor
     return lr
+
+
+def scheduled_lr(lr: float, epoch: int, first: int, factor: float) -> float:
+    """Zaremba et al.'s rule: after epoch `first` (1-based) and every epoch after it, divide lr by `factor`."""
+    return lr / factor if epoch >= first else lr
 
 
 def perplexity(nll: float, tokens: int) -> float:
@@ -267,8 +270,14 @@ def _differs(a, b) -> bool:
 _EPOCH_KEYS = ("epoch", "lr", "train_ppl", "valid_ppl", "tokens_per_s", "seconds", "tokens", "steps", "train_seconds")
 
 
-def _resume(path: Path, model, optimizer, vocab, settings: dict, placement: str | None, log):
-    """Load a checkpoint into model, optimizer and RNGs; return (history, epoch, batch, totals)."""
+def _resume(path: Path, model, optimizer, vocab, settings: dict, options: dict, lr_given: bool, epochs: int,
+            placement: str | None, log):
+    """Load a checkpoint into model, optimizer and RNGs; return (history, epoch, batch, totals).
+
+    Options (lr, clip, lr_decay) that differ from those the interrupted run was given win, and
+    are named; the same values (the same command again) continue exactly, with the lr as the
+    schedule left it. A checkpoint already past `epochs` is refused before anything changes.
+    """
     ckpt = load_checkpoint(path, model=model, vocab=vocab)
     try:
         # weights are stored per layer name, so they load onto any placement or device count
@@ -290,6 +299,24 @@ def _resume(path: Path, model, optimizer, vocab, settings: dict, placement: str 
     if not all_finite([p.detach() for p in model.parameters()]):
         raise CheckpointError(f"checkpoint {path} holds NaN or inf weights; mpedu never writes those, so the file "
                               "was changed or comes from elsewhere: delete it, or pick another --out")
+    if pos["epoch"] > epochs or (pos["epoch"] == epochs and pos["batch"] > 0):
+        done = f"{pos['epoch']} epochs" + (f" and {pos['batch']} batches of epoch {pos['epoch'] + 1}"
+                                           if pos["batch"] else "")
+        raise CheckpointError(f"checkpoint {path} has already trained {done}, more than the {epochs} epochs asked "
+                              f"for; a run cannot go back, and the checkpoint was left as it is. Pass --epochs "
+                              f"{pos['epoch'] + 1} or more to train further, or another --out to start afresh")
+    saved = ckpt.get("options") if isinstance(ckpt.get("options"), dict) else {}
+    old_lr = optimizer.param_groups[0]["lr"]
+    if not lr_given:               # the run goes on with its own lr (and keeps its first one on record)
+        options["lr"] = saved["lr"] if isinstance(saved.get("lr"), float) else old_lr
+    elif _differs(saved.get("lr"), options["lr"]) and _differs(old_lr, options["lr"]):
+        for group in optimizer.param_groups:
+            group["lr"] = options["lr"]
+        log(f"note: lr {options['lr']:g} (given) replaces the checkpoint's lr {old_lr:g}"
+            + (f" (its run was started with lr {saved['lr']:g})" if isinstance(saved.get("lr"), float) else ""))
+    for key in ("clip", "lr_decay"):
+        if key in saved and _differs(saved[key], options[key]):
+            log(f"note: the checkpoint's run used {key}={saved[key]}; this run uses {key}={options[key]} (given)")
     changed = {k: (ckpt["settings"].get(k), v) for k, v in settings.items() if _differs(ckpt["settings"].get(k), v)}
     if changed:
         log("note: the checkpoint used " + ", ".join(f"{k}={a}" for k, (a, _) in changed.items())
@@ -298,23 +325,29 @@ def _resume(path: Path, model, optimizer, vocab, settings: dict, placement: str 
     if ckpt.get("placement") != placement:
         log(f"note: the checkpoint was written on {ckpt.get('placement') or 'one device'}; this run uses "
             f"{placement or 'one device'} (weights are stored per layer, so they load; float rounding may differ)")
-    log(f"resumed from {path} at epoch {pos['epoch'] + 1}, batch {pos['batch']}")
+    log(f"resumed from {path} at epoch {pos['epoch'] + 1}, batch {pos['batch']} "
+        f"(lr {optimizer.param_groups[0]['lr']:g})")
     return history, pos["epoch"], pos["batch"], totals
 
 
 def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_size: int = BATCH_SIZE,
-          lr: float = LR, clip: float | None = CLIP, seed: int = 0, out=None, resume: bool = False,
+          lr: float | None = None, clip: float | None = CLIP, seed: int = 0, out=None, resume: bool = False,
           bptt: int | None = None, buckets=None, checkpoint_every: int = CHECKPOINT_EVERY,
           limit_batches: int | None = None, skip_bad_batches: bool = False, log=print,
-          progress: bool = True) -> History:
+          progress: bool = True, lr_decay: tuple[int, float] | None = None) -> History:
     """Train with SGD and gradient-norm clipping; return the History.
 
     runner: SingleDevice(model) by default, or a Pipeline built on `model`.
-    lr halves after an epoch whose validation perplexity improved by less than 1.0.
+    lr halves after an epoch whose validation perplexity improved by less than 1.0; or, with
+      lr_decay=(k, f), is divided by f after every epoch from epoch k on (Zaremba et al.'s rule).
     out: folder for `checkpoint.pt` (every `checkpoint_every` batches and each epoch end)
       and `model.pt` (final weights + config + vocabulary). resume=True continues from
       out/checkpoint.pt exactly, even mid-epoch (stream mode restarts the carried state);
-      the lr then comes from the checkpoint. The checkpoint loads onto any placement.
+      the lr then comes from the checkpoint, unless `lr` is given and differs from the lr the
+      checkpoint's run was given (then `lr` wins, and the run says so). lr=None: LR (10), or
+      the checkpoint's on resume. The checkpoint loads onto any placement.
+      A checkpoint past `epochs` is refused (CheckpointError); one at exactly `epochs` trains
+      nothing and is left as it is.
     bptt: stream mode (StreamIterator, state carried across batches) instead of buckets.
     limit_batches: use only the first N batches of every split each epoch (smoke tests).
     A NaN or inf loss or gradient raises NumericFault naming the step, the layer and (in a
@@ -325,12 +358,18 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     """
     epochs = _check_number("epochs", epochs, integer=True)
     batch_size = _check_number("batch_size", batch_size, integer=True, minimum=1)
-    lr = _check_number("lr", lr, above=True, maximum=torch.finfo(torch.float32).max)   # SGD casts it to float
+    given_lr = _check_number("lr", lr, above=True, maximum=torch.finfo(torch.float32).max, none_ok=True)  # SGD: float
+    lr = LR if given_lr is None else given_lr
     clip = _check_number("clip", clip, none_ok=True) or None        # 0 means no clipping
     seed = _check_number("seed", seed, integer=True, maximum=2**63)   # what every generator accepts
     bptt = _check_number("bptt", bptt, integer=True, minimum=1, none_ok=True)
     checkpoint_every = _check_number("checkpoint_every", checkpoint_every, integer=True, none_ok=True)
     limit_batches = _check_number("limit_batches", limit_batches, integer=True, minimum=1, none_ok=True)
+    if lr_decay is not None:
+        if not isinstance(lr_decay, (tuple, list)) or len(lr_decay) != 2:
+            raise ValueError(f"lr_decay={lr_decay!r}: expected (first epoch, factor), e.g. (5, 2.0), or None")
+        lr_decay = (_check_number("lr_decay's first epoch", lr_decay[0], integer=True, minimum=1),
+                    _check_number("lr_decay's factor", lr_decay[1], above=True))
     runner = runner or SingleDevice(model)
     # built after the runner: the Pipeline moves layers in place, so these are the live Parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -338,6 +377,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     ckpt_path = out / "checkpoint.pt" if out else None
     settings = {"batch_size": batch_size, "seed": seed, "bptt": bptt, "buckets": list(buckets) if buckets else None,
                 "limit_batches": limit_batches}
+    options = {"lr": float(lr), "clip": clip, "lr_decay": list(lr_decay) if lr_decay else None}  # a resume may change
     placement = str(runner.placement) if hasattr(runner, "placement") else None
     # Every split is batched before anything is trained, so a setting the data cannot meet
     # (a bad bucket list, time chunks longer than a bucket) fails now, not after an hour.
@@ -352,6 +392,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     history, first_epoch, first_batch, totals = History(), 0, 0, _fresh_totals()
     torch.manual_seed(seed)
     random.seed(seed)
+    runner.dropout_seed = seed       # dropout masks: a function of (seed, global step, position); mpedu.dropout
 
     if resume and ckpt_path is None:
         raise ValueError("resume=True needs out=<folder holding checkpoint.pt>")
@@ -360,7 +401,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
             log(f"removed {stale}, a file an interrupted run was writing (never read)")
     if resume and ckpt_path.exists():
         history, first_epoch, first_batch, totals = _resume(ckpt_path, model, optimizer, corpus.vocab, settings,
-                                                            placement, log)
+                                                            options, given_lr is not None, epochs, placement,
+                                                            log)
     elif ckpt_path is not None and ckpt_path.exists():
         log(f"starting afresh; {ckpt_path} will be overwritten (pass resume=True / --resume to continue it)")
     elif resume:
@@ -379,8 +421,13 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
                                f"batch {batch}: {found}; {ckpt_path} keeps the last good state. Lower the "
                                f"learning rate (now {lr:g}) and resume", layer=found.layer,
                                stage=found.stage, device=found.device)
-        save_checkpoint(ckpt_path, model=model, optimizer=optimizer, vocab=corpus.vocab, history=history,
-                        epoch=epoch, batch=batch, totals=totals, placement=placement, settings=settings)
+        try:
+            save_checkpoint(ckpt_path, model=model, optimizer=optimizer, vocab=corpus.vocab, history=history,
+                            epoch=epoch, batch=batch, totals=totals, placement=placement, settings=settings,
+                            options=options)
+        except OSError as e:      # disk full, a file-size limit, ...: the old checkpoint is untouched
+            raise WriteFailed(f"cannot write the checkpoint at epoch {epoch + 1}, batch {batch} to {ckpt_path}: "
+                              f"{why(e)}; {kept()}. Free some space (or pick another --out) and resume") from e
         last_saved = (epoch, batch)
 
     def kept() -> str:
@@ -408,6 +455,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         for i, batch in enumerate(bar, start):
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
+            runner.dropout_step = epoch * n_batches + i     # from the position alone: a resume draws the same masks
             result = runner.train_step(_fitted(runner, batch))
             grads = [p.grad for p in params if p.grad is not None]
             if math.isfinite(result.loss) and all_finite(grads):
@@ -461,14 +509,29 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         }
         history.epochs.append(record)
         log(_format_epoch(record, epochs))
-        lr = next_lr(lr, history.valid_ppls)
+        lr = next_lr(lr, history.valid_ppls) if lr_decay is None else scheduled_lr(lr, epoch + 1, *lr_decay)
         for group in optimizer.param_groups:
             group["lr"] = lr
         checkpoint(epoch + 1, 0, _fresh_totals())
 
+    if first_epoch == epochs and history.test_ppl is not None:
+        # resumed from a finished run with the same --epochs: nothing to train, nothing rewritten
+        log(f"nothing to train: {ckpt_path} has finished all {epochs} epochs (test ppl {history.test_ppl:.2f}); "
+            f"pass --epochs {epochs + 1} or more to train further")
+        if not (out / "model.pt").exists():      # the run was stopped between its last two writes
+            _save_model(out / "model.pt", model, corpus.vocab, placement)
+        return history
     history.test_ppl = evaluate(runner, corpus.test, batch_size, bptt=bptt, buckets=buckets, limit=limit_batches)
     log(f"test ppl {history.test_ppl:.2f}" + (f"  (saved {out / 'model.pt'})" if out else ""))
     if out is not None:
         checkpoint(epochs, 0, _fresh_totals())
-        save_model(out / "model.pt", model, corpus.vocab, placement=placement)
+        _save_model(out / "model.pt", model, corpus.vocab, placement)
     return history
+
+
+def _save_model(path: Path, model, vocab, placement) -> None:
+    try:
+        save_model(path, model, vocab, placement=placement)
+    except OSError as e:
+        raise WriteFailed(f"cannot write {path}: {why(e)}; the checkpoint beside it holds the same weights "
+                          "(resume to write model.pt again)") from e

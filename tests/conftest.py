@@ -38,6 +38,19 @@ def reference(model, batch):
     return loss.item(), grads
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: may run on CUDA GPUs; unmarked tests see only virtual devices")
+
+
+@pytest.fixture(autouse=True)
+def virtual_unless_cuda(request, monkeypatch):
+    """Unmarked tests see no GPU: a device count (`Pipeline(model, 2)`, `get_devices(2)`, the command
+    line's --devices) picks CUDA GPUs where the machine has enough, while these tests expect vgpu
+    names and hold CPU tolerances. Tests that run GPU placements are marked `cuda`."""
+    if request.node.get_closest_marker("cuda") is None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module: tiny ops gain little from two, and two threads stall

@@ -1,6 +1,9 @@
 """Notebook 04 in a real browser, in each front end the course supports (JupyterLab 4, Notebook 7, Voilà): the
 notebook runs, a layer chip is dragged to another device, the kernel sees it and the timeline redraws; a change
-from the kernel during a drag waits for the drag to end."""
+from the kernel during a drag waits for the drag to end; a refused choice leaves no stale figure, status or blank
+space; three arrow presses in a row each move a chip; every position of the sliders is accepted; and the time
+from a drop or a slider's release to the new timeline is measured in the browser (printed, never asserted: shared
+machines are noisy). MPEDU_SCREENSHOTS=<folder> saves the explorer at 1280x720 and 1440x900 there."""
 import contextlib
 import importlib.util
 import json
@@ -20,7 +23,7 @@ from typing import NamedTuple
 import pytest
 
 from mpedu.placement import Placement
-from mpedu.widgets import SCHEDULES
+from mpedu.widgets import LINKS, SCHEDULES, SLOWDOWNS, _link_label
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "04_partitioning.ipynb"
@@ -70,6 +73,11 @@ def _steady(read, quiet: float, timeout: float, what: str):
 
     _wait_for(settled, timeout, what)
     return value
+
+
+def _revision(explorer) -> int:
+    """The timeline picture the page shows: the widget stamps each drawing with the kernel's revision number."""
+    return int(explorer.locator(".mpedu-timeline").first.get_attribute("data-revision") or -1)
 
 
 def _board(explorer) -> dict:
@@ -139,7 +147,7 @@ class JupyterLab(FrontEnd):
         cells = page.locator(".jp-Notebook .jp-CodeCell")
         prompts = cells.locator(".jp-InputPrompt")
         _wait_for(lambda: server.state.exists() and cells.count() == CODE_CELLS
-                  and "*" not in "".join(prompts.all_text_contents()) and self.kernel_idle(page), 90,
+                  and "*" not in "".join(prompts.all_text_contents()) and self.kernel_idle(page), 240,
                   "Run All to finish")
 
 
@@ -173,7 +181,7 @@ class Voila(FrontEnd):
         # The page streams the outputs while the cells run, and connects its widgets to the kernel only after
         # the last one: a chip on the board means every cell has run.
         chips = page.locator(".mpedu-explorer .mpedu-chip")
-        _wait_for(lambda: chips.count() > 0 and server.state.exists(), 90,
+        _wait_for(lambda: chips.count() > 0 and server.state.exists(), 240,
                   "Voilà to run the notebook and show the board")
 
 
@@ -276,7 +284,11 @@ def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(sync_playwri
             server.front_end.run_all(page, server)
             _drag_a_layer_and_train(page, server)
             _a_change_during_a_drag_is_drawn_when_it_ends(page, server)
-            page.locator(".mpedu-explorer").last.screenshot(path=str(tmp_path / "explorer.png"))   # what a person saw
+            _a_refused_choice_leaves_nothing_stale(page, server)
+            _three_arrow_presses_move_a_chip_three_times(page, server)
+            _every_slider_position_is_accepted(page, server)
+            _redraw_times(page, server)
+            _fits_a_laptop_screen(page, server, Path(os.environ.get("MPEDU_SCREENSHOTS") or tmp_path))
         except BaseException:
             with contextlib.suppress(Exception):                   # look here when it fails
                 page.screenshot(path=str(tmp_path / "failure.png"))
@@ -297,8 +309,7 @@ def _drag_a_layer_and_train(page, server: Server) -> None:
     # for the page, or a late picture would pass for the redraw checked below.
     _wait_for(lambda: _board(explorer) == before["assignment"] and before["placement"] in explorer.inner_text(),
               20, f"the page to show the kernel's placement ({before['placement']})")
-    image = explorer.locator("img").first
-    src = _steady(lambda: image.get_attribute("src"), 1.0, 20, "a steady timeline picture")
+    revision = _steady(lambda: _revision(explorer), 1.0, 20, "a steady timeline picture")
 
     # Move the last layer of the fullest device to another device: every device keeps a layer.
     assignment, devices = before["assignment"], before["devices"]
@@ -306,8 +317,7 @@ def _drag_a_layer_and_train(page, server: Server) -> None:
     layer = [name for name, d in assignment.items() if d == fullest][-1]
     target = next(d for d in devices if d != fullest)
     expected = str(Placement(list(assignment), {**assignment, layer: target}))
-    page.drag_and_drop(f".mpedu-explorer .mpedu-chip[data-layer='{layer}']",
-                       f".mpedu-explorer .mpedu-device[data-device='{target}']")
+    _drag(page, layer, target)
 
     # (1) Python's side: the kernel's placement, and the text it sends back to the page
     after = _wait_for(lambda: (s := server.read_state()) and s["placement"] == expected and s, 20,
@@ -317,24 +327,38 @@ def _drag_a_layer_and_train(page, server: Server) -> None:
     _wait_for(lambda: _board(explorer) == after["assignment"] and expected in explorer.inner_text(), 10,
               "the new placement on the page")
     # (2) the person's side: a new timeline picture
-    _wait_for(lambda: image.get_attribute("src") != src, 20, "the timeline to redraw")
+    _wait_for(lambda: _revision(explorer) == after["revision"] > revision, 20, "the timeline to redraw")
 
     # (3) Run trains real steps on a background thread; the progress reaches the end
-    src = image.get_attribute("src")
+    revision = _revision(explorer)
     explorer.locator("button", has_text="Run").click()
-    done = _wait_for(lambda: (s := server.read_state()) and s["progress"] == 5 and not s["running"] and s, 60,
-                     "five trained steps")
+    done = _wait_for(lambda: (s := server.read_state()) and s["runs"] == before["runs"] + 1 and s["progress"] == 5
+                     and not s["running"] and s, 60, "five trained steps")
     assert len(done["losses"]) == 5
-    _wait_for(lambda: image.get_attribute("src") != src, 10, "the measured timeline")
+    _wait_for(lambda: _revision(explorer) == done["revision"] > revision, 10, "the measured timeline")
+    assert "measured step 5" in explorer.locator(".mpedu-timeline").inner_html()
+
+
+def _drag(page, layer: str, device: str) -> None:
+    """Drag a layer's chip onto a device's column with the mouse, in small steps, the board in mid-screen (a page
+    that scrolls under a starting drag cancels it)."""
+    explorer = page.locator(".mpedu-explorer").last
+    explorer.locator(".mpedu-board").first.evaluate("e => e.scrollIntoView({ block: 'center' })")
+    chip = explorer.locator(f".mpedu-chip[data-layer='{layer}']").bounding_box()
+    column = explorer.locator(f".mpedu-device[data-device='{device}']").bounding_box()
+    page.mouse.move(chip["x"] + chip["width"] / 2, chip["y"] + chip["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(column["x"] + column["width"] / 2, column["y"] + column["height"] / 2, steps=5)
+    page.mouse.up()
 
 
 def _a_change_during_a_drag_is_drawn_when_it_ends(page, server: Server) -> None:
     """A redraw replaces every chip, so one that arrived mid-drag would take the dragged chip (and the drop)
     away. Mid-drag, a new schedule's notes from the kernel must wait; when the drag ends, they are drawn."""
     explorer = page.locator(".mpedu-explorer").last
-    state, image = server.read_state(), explorer.locator("img").first
+    state = server.read_state()
     feet = lambda: explorer.locator(".mpedu-foot").all_inner_texts()   # noqa: E731  (busy and memory per device)
-    old_feet, src = feet(), image.get_attribute("src")
+    old_feet, revision = feet(), _revision(explorer)
     chip = explorer.locator(".mpedu-chip").first
     chip.evaluate("chip => { chip.dataset.probe = 'kept'; }")           # a redraw would drop this mark
     transfer = page.evaluate_handle("() => new DataTransfer()")
@@ -344,10 +368,205 @@ def _a_change_during_a_drag_is_drawn_when_it_ends(page, server: Server) -> None:
     explorer.locator("select").first.select_option(label=SCHEDULES[new])
     _wait_for(lambda: (s := server.read_state()) and s["schedule"] == new, 20, f"the kernel to take {new}")
     # the kernel sends the board's notes before the picture, so a new picture means the notes have arrived
-    _wait_for(lambda: image.get_attribute("src") != src, 20, f"the {new} timeline")
+    _wait_for(lambda: _revision(explorer) > revision, 20, f"the {new} timeline")
     assert explorer.locator(".mpedu-chip[data-probe='kept']").count() == 1, "the board was redrawn mid-drag"
     assert feet() == old_feet
 
     chip.dispatch_event("dragend", {"dataTransfer": transfer})
     _wait_for(lambda: explorer.locator(".mpedu-chip[data-probe='kept']").count() == 0 and feet() != old_feet, 10,
               "the board to redraw once the drag ended")
+
+
+def _settled(page, server: Server):
+    """The kernel's last state, once it measures nothing and the page shows its latest timeline."""
+    explorer = page.locator(".mpedu-explorer").last
+    return _wait_for(lambda: (s := server.read_state()) and not s["measuring"] and not s["running"]
+                     and _revision(explorer) == s["revision"] and s, 60, "the explorer to settle")
+
+
+def _slider(explorer, description: str):
+    """The ipywidgets slider labelled `description`."""
+    return explorer.locator(".widget-slider", has=explorer.page.locator(".widget-label", has_text=description))
+
+
+def _slide(page, slider, index: int, positions: int) -> None:
+    """Drag the slider's handle to position `index` of `positions` (0 = left end) and let go, as a person
+    would (not the arrow keys: Notebook 7 keeps those for itself while a handle has the focus)."""
+    base, handle = (slider.locator(part).first.bounding_box() for part in (".noUi-base", ".noUi-handle"))
+    y = base["y"] + base["height"] / 2
+    page.mouse.move(handle["x"] + handle["width"] / 2, y)
+    page.mouse.down()
+    page.mouse.move(base["x"] + base["width"] * index / (positions - 1), y, steps=4)
+    page.mouse.up()
+
+
+def _a_refused_choice_leaves_nothing_stale(page, server: Server) -> None:
+    """After a Run (status line, full progress bar, predicted and measured timelines), a refused schedule shows
+    its message and nothing of the old choice: no timeline and no space kept for it, no status, no progress, no
+    predicted figure; the explorer gets shorter by the timeline's height. An accepted choice brings a prediction
+    back, without the old run."""
+    explorer = page.locator(".mpedu-explorer").last
+    runs = server.read_state()["runs"]
+    explorer.locator("button", has_text="Run").click()
+    _wait_for(lambda: (s := server.read_state()) and s["runs"] == runs + 1 and s["progress"] == 5
+              and not s["running"], 60, "a second run")
+    _settled(page, server)
+    assert "loss" in explorer.inner_text() and explorer.locator(".widget-hprogress").first.is_visible()
+    tall, picture = explorer.bounding_box()["height"], explorer.locator(".mpedu-timeline").bounding_box()["height"]
+
+    explorer.locator("select").first.select_option(label=SCHEDULES["zb1"])   # refused when a device has 2 stages
+    state = _wait_for(lambda: (s := server.read_state()) and s["schedule"] == "zb1" and s, 20, "zero bubble")
+    if state["placement"]:                                                # one stage per device: then interleaved
+        explorer.locator("select").first.select_option(label=SCHEDULES["interleaved"])   # wants stages dealt in turn
+    refused = _wait_for(lambda: (s := server.read_state()) and "⚠" in s["message"] and s, 20, "a refusal")
+    _wait_for(lambda: "⚠" in explorer.inner_text(), 10, "the refusal on the page")
+    _wait_for(lambda: not explorer.locator(".mpedu-timeline").first.is_visible(), 10, "the timeline to go")
+    words = explorer.inner_text()
+    assert "predicted" not in words and "loss" not in words and "measured" not in words, words
+    assert not explorer.locator(".widget-hprogress").first.is_visible()
+    assert explorer.locator(".mpedu-foot").count() == 0                   # no busy/memory notes from before
+    short = explorer.bounding_box()["height"]
+    assert short < tall - 0.8 * picture, f"the explorer kept blank space: {tall:.0f} px -> {short:.0f} px"
+    assert refused["figures"] == {}
+
+    explorer.locator("select").first.select_option(label=SCHEDULES["gpipe"])
+    _wait_for(lambda: explorer.locator(".mpedu-timeline").first.is_visible() and "predicted" in explorer.inner_text(),
+              20, "the prediction to come back")
+    assert "loss" not in explorer.inner_text()
+    _settled(page, server)
+
+
+def _three_arrow_presses_move_a_chip_three_times(page, server: Server) -> None:
+    """A redraw replaces the chips (once for the move, again for the kernel's new notes): the focused chip must
+    keep the keyboard through both, or only the first press works."""
+    explorer = page.locator(".mpedu-explorer").last
+    state = _settled(page, server)
+    devices, assignment = state["devices"], state["assignment"]
+    fullest = max(devices, key=lambda d: list(assignment.values()).count(d))
+    layer = [name for name, d in assignment.items() if d == fullest][-1]
+    k = devices.index(fullest)
+    keys = ["ArrowRight", "ArrowLeft", "ArrowRight"] if k + 1 < len(devices) else ["ArrowLeft", "ArrowRight",
+                                                                                   "ArrowLeft"]
+    focused = lambda: page.evaluate("() => document.activeElement?.dataset?.layer ?? null")   # noqa: E731
+    explorer.locator(f".mpedu-chip[data-layer='{layer}']").click()       # as a person would: click, then arrows
+    _wait_for(lambda: focused() == layer, 10, f"{layer} to take the keyboard focus")
+    for n, key in enumerate(keys):
+        k += 1 if key == "ArrowRight" else -1
+        page.keyboard.press(key)
+        _wait_for(lambda: (s := server.read_state()) and s["assignment"][layer] == devices[k], 20,
+                  f"press {n + 1} ({key}) to move {layer} to {devices[k]}")
+        _wait_for(lambda: _board(explorer)[layer] == devices[k], 10, f"{layer} on {devices[k]} on the page")
+        _settled(page, server)                                            # every redraw of this move is done
+        assert focused() == layer, f"after press {n + 1} the keyboard focus is on {focused()!r}, not on {layer}"
+
+
+def _every_slider_position_is_accepted(page, server: Server) -> None:
+    """No slider position is always refused: the devices slider stops at the number of layers, and every count
+    it offers gives a prediction (an even split); the time-chunks slider says it is for the wavefront only."""
+    explorer = page.locator(".mpedu-explorer").last
+    slider = _slider(explorer, "devices")
+    slider.scroll_into_view_if_needed()
+    layers = len(server.read_state()["assignment"])
+    assert int(float(slider.locator(".noUi-handle").first.get_attribute("aria-valuemax"))) == layers
+    for p in [*range(1, layers + 1), 2]:
+        _slide(page, slider, p - 1, layers)
+        state = _wait_for(lambda: (s := server.read_state()) and len(s["devices"]) == p and s, 20, f"{p} devices")
+        assert state["placement"], f"{p} devices (a position the slider offers) was refused: {state['message']}"
+        _settled(page, server)                                            # the board has its new columns and notes
+        _wait_for(lambda: explorer.locator(".mpedu-device").count() == p, 10, f"{p} columns on the page")
+        time.sleep(0.3)                                                   # and the page its new layout
+    assert "wavefront" in _slider(explorer, "time chunks").inner_text()
+    _settled(page, server)
+
+
+# Records, in the page, when the learner acted (the drop, or letting go of a slider's handle): the first
+# such event after the test arms it. The timeline stamps when it drew.
+_MARK_ACTIONS = """() => { if (window.__mpeduActed === undefined) {
+    for (const type of ["drop", "mouseup"])
+      document.addEventListener(type, () => { window.__mpeduActed ??= performance.now(); }, true);
+    window.__mpeduActed = null; } }"""
+
+
+def _timed(page, explorer, act) -> float:
+    """Milliseconds from the learner's action to the new timeline drawn in the page."""
+    before = _revision(explorer)
+    page.evaluate("() => { window.__mpeduActed = null; }")
+    act()
+    _wait_for(lambda: _revision(explorer) > before, 30, "the timeline after the action", interval=0.02)
+    drawn = float(explorer.locator(".mpedu-timeline").first.get_attribute("data-drawn-at"))
+    return drawn - page.evaluate("() => window.__mpeduActed")
+
+
+def _redraw_times(page, server: Server) -> None:
+    """Drop-to-timeline and slider-to-timeline times, measured in the browser, printed as medians. The machine
+    is shared, so nothing here asserts a time."""
+    explorer = page.locator(".mpedu-explorer").last
+    page.evaluate(_MARK_ACTIONS)
+    state = _settled(page, server)
+    assignment, devices = state["assignment"], state["devices"]
+    layer = [name for name, d in assignment.items() if d == devices[0]][-1]
+    drags = []
+    for n in range(6):
+        target = devices[1] if n % 2 == 0 else devices[0]
+        drags.append(_timed(page, explorer, lambda: _drag(page, layer, target)))
+        _settled(page, server)
+    slider = _slider(explorer, "micro-batches")
+    slider.scroll_into_view_if_needed()
+    handle = slider.locator(".noUi-handle").first
+    positions = int(float(handle.get_attribute("aria-valuemax"))) + 1          # SelectionSlider: an index
+    at = int(float(handle.get_attribute("aria-valuenow")))
+    other = at + 1 if at + 1 < positions else at - 1
+    first = _timed(page, explorer, lambda: _slide(page, slider, other, positions))   # a new size: drawn
+    _settled(page, server)                                                                 # ... then measured
+    slides = []
+    for n in range(6):
+        slides.append(_timed(page, explorer, lambda: _slide(page, slider, at if n % 2 == 0 else other,
+                                                                   positions)))
+        _settled(page, server)
+    median = lambda xs: sorted(xs)[len(xs) // 2]   # noqa: E731
+    print(f"\n[{server.front_end.id}] drop -> timeline ms: {[round(x) for x in drags]}, median {median(drags):.0f}; "
+          f"micro-batch slider -> timeline ms: {[round(x) for x in slides]}, median {median(slides):.0f}; first new "
+          f"micro-batch size {first:.0f} ms (busy shared machine)")
+    assert all(x > 0 for x in drags + slides)
+
+
+def _fits_a_laptop_screen(page, server: Server, folder: Path) -> None:
+    """At 1280x720 and 1440x900: the schedule menu shows its whole text, the timeline fits on the screen, and the
+    explorer is saved as a picture for a person to look at."""
+    explorer = page.locator(".mpedu-explorer").last
+    folder.mkdir(parents=True, exist_ok=True)
+    # Busy pictures: interleaved 1F1B (hatched later stages), on a slowed PCIe link, after a Run (two panels).
+    explorer.locator("select").first.select_option(label=SCHEDULES["interleaved"])
+    _wait_for(lambda: (s := server.read_state()) and s["schedule"] == "interleaved", 20, "interleaved 1F1B")
+    if not server.read_state()["placement"]:
+        explorer.locator("button", has_text="deal the layers in turn").click()
+        _wait_for(lambda: (s := server.read_state()) and s["placement"], 20, "the layers dealt in turn")
+    menus = explorer.locator("select")
+    menus.nth(1).select_option(label=_link_label("pcie4", LINKS["pcie4"]))
+    _wait_for(lambda: not menus.nth(2).is_disabled(), 20, "the slow-down to be offered for an emulated link")
+    menus.nth(2).select_option(label=SLOWDOWNS[100])
+    _wait_for(lambda: (s := server.read_state()) and s["link"] == "pcie4" and s["placement"], 20, "PCIe slowed 100x")
+    runs = server.read_state()["runs"]
+    explorer.locator("button", has_text="Run").click()
+    _wait_for(lambda: (s := server.read_state()) and s["runs"] == runs + 1 and s["progress"] == 5
+              and not s["running"], 90, "a run on the emulated link")
+    _settled(page, server)
+    legend = explorer.locator(".mpedu-legend").first.inner_text()
+    for mark in ("F forward", "B backward", "hatched", "transfer", "waits"):
+        assert mark in legend, f"the legend has no {mark!r}: {legend}"
+    assert "1F3" in explorer.locator(".mpedu-labels").first.inner_text()
+    for width, height in ((1280, 720), (1440, 900)):
+        page.set_viewport_size({"width": width, "height": height})
+        time.sleep(0.5)                                                   # the page lays itself out again
+        explorer.scroll_into_view_if_needed()
+        cut = explorer.locator("select").evaluate_all("""selects => selects.filter((s) => {
+            const font = getComputedStyle(s), ctx = document.createElement("canvas").getContext("2d");
+            ctx.font = `${font.fontSize} ${font.fontFamily}`;
+            const longest = Math.max(...[...s.options].map((o) => ctx.measureText(o.text).width));
+            return longest + 20 > s.clientWidth; }).map((s) => s.value)""")
+        assert not cut, f"at {width} px these menus cut their text: {cut}"
+        picture = explorer.locator(".mpedu-timeline").first.bounding_box()
+        assert picture["height"] < height - 120, f"the timeline is {picture['height']:.0f} px tall at {width}x{height}"
+        explorer.screenshot(path=str(folder / f"explorer-{server.front_end.id}-{width}x{height}.png"))
+        explorer.locator(".mpedu-board").first.evaluate("e => e.scrollIntoView()")   # what one screen shows
+        page.screenshot(path=str(folder / f"screen-{server.front_end.id}-{width}x{height}.png"))

@@ -12,6 +12,7 @@ import pytest
 
 import mpedu.__main__ as cli
 from mpedu.__main__ import main
+from mpedu.train import History
 
 ROOT = Path(__file__).resolve().parents[1]
 PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
@@ -172,3 +173,155 @@ def test_wavefront_with_time_chunks_from_the_command_line(capsys, tmp_path):
 def test_bad_pipeline_options_exit_2(capsys, tmp_path, args, words):
     code, out, err = run(capsys, "train", *args, *QUICK, "--out", str(tmp_path))
     assert code == 2 and err.startswith("mpedu: error:") and words in err, err
+
+
+# ---- what a hostile user tried (issue 14): every refusal is one line naming the value, never a traceback
+
+def refused(capsys, *args):
+    """Run the CLI; return (exit code, stderr), counting argparse's exit as a return."""
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+def test_a_diverged_run_prints_null_not_infinity_and_exits_1(capsys, tmp_path):
+    code, out, err = run(capsys, "train", "--devices", "1", *QUICK, "--lr", "1e30", "--out", str(tmp_path),
+                         "--json")
+    summary = json.loads(out.strip().splitlines()[-1])    # strict JSON: json.loads accepts Infinity, so look too
+    assert "Infinity" not in out.splitlines()[-1] and "NaN" not in out.splitlines()[-1]
+    assert code == 1 and summary["test_ppl"] is None
+    assert "training diverged" in err and "lower --lr" in err and "1e+30" in err and "Traceback" not in err
+
+
+def test_timeline_files_replace_a_planted_symlink_and_never_write_through_it(capsys, tmp_path):
+    out, target = tmp_path / "out", tmp_path / "precious.txt"
+    out.mkdir()
+    target.write_text("keep me")
+    for name in ("last_step.json", "last_step.png", "last_step.timeline.json"):
+        (out / name).symlink_to(target)
+    code, _, err = run(capsys, "train", *QUICK, "--out", str(out))
+    assert code == 0, err
+    assert target.read_text() == "keep me"
+    for name in ("last_step.json", "last_step.png", "last_step.timeline.json"):
+        assert not (out / name).is_symlink() and (out / name).stat().st_size > 10
+
+
+def test_a_second_run_on_the_same_out_is_refused_naming_the_first(capsys, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mpedu.files import OutLock\n"
+                               f"with OutLock({str(tmp_path)!r}):\n print('held', flush=True); time.sleep(60)",
+                               "--pretend", "first-run"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        seen = []
+        cli.train, real = (lambda *a, **k: seen.append(k)), cli.train
+        try:
+            code, err = refused(capsys, "train", *QUICK, "--out", str(tmp_path))
+        finally:
+            cli.train = real
+        assert code == 2 and not seen
+        assert f"in use by another mpedu run (pid {holder.pid}" in err and "first-run" in err
+        assert "pick another --out" in err
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder was killed: its lock is stale, and the next run takes it over, saying so
+    code, out, err = run(capsys, "train", "--devices", "1", *QUICK, "--out", str(tmp_path))
+    assert code == 0, err
+    assert f"names pid {holder.pid}, which is no longer running; taking the lock over" in out
+    assert (tmp_path / "mpedu.lock").read_text() == ""          # released: emptied at the end
+
+
+@pytest.mark.parametrize("make", ["file", "under a file"])
+def test_a_bad_out_is_refused_before_training(capsys, monkeypatch, tmp_path, make):
+    seen = []
+    monkeypatch.setattr(cli, "train", lambda *a, **k: seen.append(k))
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" if make == "file" else tmp_path / "afile" / "run"
+    code, err = refused(capsys, "train", *QUICK, "--out", str(out))
+    assert code == 2 and not seen and str(out) in err and len(err.splitlines()) == 1
+    assert "pick a folder" in err
+
+
+def test_a_corpus_of_only_unk_is_one_line_naming_the_file(capsys, tmp_path):
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"ptb.{split}.txt").write_text("<unk> <unk>\n<unk>\n")
+    code, err = refused(capsys, "train", *QUICK, "--data", str(tmp_path), "--out", str(tmp_path / "run"))
+    assert code == 2 and len(err.splitlines()) == 1
+    assert str(tmp_path / "ptb.train.txt") in err and "no words besides <unk>" in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--placement", "embed,lstm0:vgpu:-1 | lstm1,decode:vgpu:1"], "device 'vgpu:-1' does not exist"),
+    (["--placement", "x" * 10_000], "(10,000 characters)"),
+    (["--placement", "embed,lstm0,lstm1,decode:vgpu" + "9" * 10_000], "characters) is not a device name"),
+    (["--placement", "embed" * 2_000 + ":vgpu0"], "(10,000 characters) is not in the model"),
+    (["--data", "README.md"], "README.md is a file, not a folder"),
+    (["--memory-cap", "-5MB"], "memory size '-5MB' is not a size"),
+    (["--lr", "-1e-3"], "expected a finite number > 0, got -1e-3"),
+    (["--memory-cap", "vgpu:0=2MB,vgpu:0=4MB"], "gives vgpu:0 twice (2MB and 4MB)"),
+    (["--memory-cap", "vgpu:0=2MB,vgpu0=4MB"], "gives vgpu:0 two caps"),
+])
+def test_bad_values_are_named_briefly(capsys, monkeypatch, tmp_path, args, words):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(cli, "train", lambda *a, **k: pytest.fail("trained"))
+    code, err = refused(capsys, "train", *QUICK, *args, "--out", str(tmp_path))
+    assert code == 2 and words in err, err
+    assert len(err.strip().splitlines()[-1]) < 400, err   # the message, after argparse's usage lines
+
+
+# ---- recipes: each config trains as its paper did, in mpedu's learning-rate convention
+
+def _train_kwargs(monkeypatch, capsys, *args):
+    seen = []
+    monkeypatch.setattr(cli, "train", lambda *a, **k: seen.append(k) or History())
+    monkeypatch.setattr(cli, "build_runner", lambda model, args: cli.SingleDevice(model))
+    code = main(["train", *args])
+    out = capsys.readouterr().out
+    assert code == 0
+    return seen[0], out
+
+
+def test_the_default_run_keeps_the_trainers_defaults(monkeypatch, capsys, tmp_path):
+    import inspect
+    import importlib
+    training = importlib.import_module("mpedu.train")   # the module (`mpedu.train` is also the function)
+    kwargs, out = _train_kwargs(monkeypatch, capsys, "--out", str(tmp_path))
+    defaults = inspect.signature(training.train).parameters
+    assert (kwargs["lr"], kwargs["epochs"], kwargs["batch_size"], kwargs["clip"]) == (
+        training.LR, defaults["epochs"].default, defaults["batch_size"].default, defaults["clip"].default)
+    assert kwargs["bptt"] is None and kwargs["lr_decay"] is None
+    assert "recipe 'tiny'" in out and "given" not in out.splitlines()[0]
+
+
+def test_small_follows_zaremba_in_mpedus_units_and_given_options_win(monkeypatch, capsys, tmp_path):
+    from mpedu.recipes import RECIPES
+    kwargs, out = _train_kwargs(monkeypatch, capsys, "--config", "small", "--out", str(tmp_path))
+    small = RECIPES["small"]
+    # Zaremba: lr 1 and clip 5 for a loss summed over T = 20 steps; batch 20, 13 epochs, / 2 after epoch 4
+    assert kwargs["lr"] == 1 * small.bptt and kwargs["clip"] == 5 / small.bptt
+    assert (kwargs["bptt"], kwargs["batch_size"], kwargs["epochs"], kwargs["lr_decay"]) == (20, 20, 13, (4, 2.0))
+    assert "Zaremba et al. 2014, small" in out
+    kwargs, out = _train_kwargs(monkeypatch, capsys, "--config", "small", "--lr", "5", "--bptt", "0",
+                                "--out", str(tmp_path))
+    assert kwargs["lr"] == 5 and kwargs["bptt"] is None and kwargs["epochs"] == 13
+    assert "given: --lr 5, --bptt 0" in out
+
+
+def test_the_help_explains_the_learning_rate_convention(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "mean NLL per token" in out and "lr 1 is about lr T here" in out and "Zaremba et al. 2014, small" in out
+
+
+def test_the_decay_rule_divides_after_the_named_epoch():
+    from mpedu.train import scheduled_lr
+    lrs = [20.0]
+    for epoch in range(1, 7):
+        lrs.append(scheduled_lr(lrs[-1], epoch, 4, 2.0))
+    assert lrs == [20, 20, 20, 20, 10, 5, 2.5]      # epochs 1-4 at 20, then halved every epoch (Zaremba)

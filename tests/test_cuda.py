@@ -4,12 +4,16 @@ The GPU placements run only where CUDA is present. Each test also runs a CPU twi
 stages on virtual devices, so the checks themselves are exercised on every machine. The
 reference is the whole model on the CPU, in fp32.
 """
+import time
+
 import pytest
 import torch
 
 from conftest import make_batch, reference, tiny_model
-from mpedu.pipeline import Pipeline
+from mpedu.model import nll_sum
+from mpedu.pipeline import Pipeline, _host_micro_batches
 
+pytestmark = pytest.mark.cuda      # GPU placements run here where CUDA exists (see conftest)
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NO_TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 PLACEMENTS = [
@@ -68,3 +72,111 @@ def test_eval_matches_the_cpu_model(placement):
     ref_loss, _ = reference(tiny_model(dropout=0.0), batch)
     with Pipeline(tiny_model(dropout=0.0), placement, "gpipe", micro_batches=2) as pipe:
         assert pipe.eval_step(batch).loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+SGD_PLACEMENTS = [
+    pytest.param("embed,lstm0:vgpu:0 | lstm1-2,decode:vgpu:1", id="cpu-twin"),
+    # the step's last stage and the optimizer's gradients on the CPU, the first stages' on the GPU
+    pytest.param("embed,lstm0,lstm1:cuda:0 | lstm2,decode:vgpu:0", id="gpu-then-cpu", marks=NO_GPU),
+    pytest.param("embed,lstm0:cuda:0 | lstm1-2,decode:cuda:1", id="two-gpus", marks=NO_TWO_GPUS),
+]
+SLEEP_CYCLES = 100_000_000     # ~50-100 ms of a GPU's time: much longer than a tiny step
+
+
+def _sends(timeline, last: int) -> tuple[dict, dict]:
+    """{(stage, mb): end} of the activations and of the gradients each stage sent. A stage sends
+    a micro-batch's activation (in F) before its gradient (in B); the first stage sends no
+    gradient and the last no activation."""
+    acts, grads = {}, {}
+    for e in sorted(timeline.transfers(), key=lambda e: e.start):
+        to_grads = e.stage == last or (e.stage > 0 and (e.stage, e.mb) in acts)
+        (grads if to_grads else acts)[e.stage, e.mb] = e.end
+    return acts, grads
+
+
+@pytest.mark.parametrize("placement", SGD_PLACEMENTS)
+def test_optimizer_steps_between_pipeline_steps_are_ordered_with_the_workers(placement):
+    """Three clipped SGD steps give the CPU model's losses and weights.
+
+    On a GPU the optimizer runs on the caller's (default) stream and each worker on a stream of its
+    own, which does not wait for the default stream by itself. A sleep queued on the default stream
+    before each optimizer step holds the update back: a worker that did not wait for it would run
+    the next forward on the old weights (a different loss) and reuse gradient memory still being
+    read. The same sleep would shift the GPU's event times by the queued work if the clock's
+    reference were not synchronised: gradients would seem to arrive before they were sent.
+    """
+    batch = make_batch()
+    ref, model = tiny_model(dropout=0.0), tiny_model(dropout=0.0)
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=2.0), torch.optim.SGD(model.parameters(), lr=2.0)
+    ref_losses, losses = [], []
+    with Pipeline(model, placement, "1f1b", micro_batches=4) as pipe:
+        gpus = [d.torch_device for d in pipe.devices if d.is_cuda]
+        for _ in range(3):
+            ref_opt.zero_grad(set_to_none=True)
+            loss = nll_sum(ref(batch.inputs)[0], batch.targets) / batch.tokens
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            ref_opt.step()
+            ref_losses.append(loss.item())
+
+            opt.zero_grad(set_to_none=True)
+            started = time.perf_counter()
+            result = pipe.train_step(batch)
+            wall = time.perf_counter() - started
+            losses.append(result.loss)
+            for gpu in gpus:      # queued before the clip and the step, on the default stream
+                with torch.cuda.device(gpu):
+                    torch.cuda._sleep(SLEEP_CYCLES)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+
+            events = result.timeline.events
+            slack = 1e-3 if gpus else 1e-4
+            assert all(-slack <= e.start <= e.end <= wall + slack for e in events)
+            last = len(pipe.stages) - 1
+            acts, grads = _sends(result.timeline, last)
+            for e in result.timeline.compute():
+                if e.kind == "F" and e.stage > 0:
+                    assert e.start >= acts[e.stage - 1, e.mb] - slack, e.label
+                if e.kind == "B" and e.stage < last:
+                    assert e.start >= grads[e.stage + 1, e.mb] - slack, e.label
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert len(set(losses)) == 3                        # the steps changed the weights
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("pin", [pytest.param(False, id="cpu-twin"), pytest.param(True, id="pinned", marks=NO_GPU)])
+def test_micro_batches_a_gpu_reads_are_pinned_once_per_step(pin):
+    batch = make_batch(T=9, B=8)
+    micro = _host_micro_batches(batch, 4, [(0, 4), (4, 9)], pin_inputs=pin, pin_targets=False)
+    parts = batch.split(4)
+    assert len(micro) == 4 and all(len(chunks) == 2 for chunks in micro)
+    for mb, chunks in zip(parts, micro):
+        assert torch.equal(torch.cat([x for x, _ in chunks]), mb.inputs)
+        assert torch.equal(torch.cat([y for _, y in chunks]), mb.targets)
+        # both chunks are views of one block per micro-batch (one pinned copy, not one per chunk)
+        assert chunks[0][0].untyped_storage().data_ptr() == chunks[1][0].untyped_storage().data_ptr()
+        assert all(x.is_contiguous() for x, _ in chunks)     # a non-contiguous copy would be staged
+        if torch.cuda.is_available():
+            assert chunks[0][0].is_pinned() == pin and not chunks[0][1].is_pinned()
+
+
+def test_a_gpu_job_first_waits_for_the_callers_stream(monkeypatch):
+    """The ordering itself, with stand-in streams (no GPU needed): the worker's stream waits for the
+    caller's before the job's first op; a virtual device's job is left as it is."""
+    import mpedu.pipeline as pipeline
+    order = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            order.append(f"{self.name} waits for {other.name}")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("worker"))
+    job = lambda: order.append("job") or 7        # noqa: E731
+    assert pipeline._after(None, job) is job
+    assert pipeline._after(Stream("caller"), job)() == 7
+    assert order == ["worker waits for caller", "job"]

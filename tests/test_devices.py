@@ -77,3 +77,42 @@ def test_devices_count_the_cores_this_process_may_use_not_the_machines():
     assert "vgpu:0  virtual: one worker thread on the CPU (its own core; 1 core)" in text
     assert "vgpu:1  virtual: one worker thread on the CPU (shares a core with another; 1 core)" in text
     assert count == 8, "at least 8 virtual devices, whatever the core count"
+
+
+def test_a_worker_that_cannot_start_says_why_instead_of_hanging():
+    """A GPU whose thread cannot start (exclusive-process mode, no memory for a CUDA context) once
+    left the constructor waiting for ever; here the start fails the same way on any machine."""
+    def no_context(device):
+        raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable")
+
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"could not start the worker of vgpu:0: .*busy or unavailable") as info:
+        Worker(get_device("vgpu:0"), start=no_context)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert time.perf_counter() - started < 30
+
+
+def test_a_pipeline_whose_second_device_cannot_start_ends_the_first(monkeypatch):
+    import mpedu.pipeline as pipeline
+    from conftest import tiny_model
+    made = []
+
+    def worker(device):
+        if device.name == "vgpu:1":
+            raise RuntimeError(f"could not start the worker of {device}: injected")
+        made.append(Worker(device))
+        return made[-1]
+
+    monkeypatch.setattr(pipeline, "Worker", worker)
+    with pytest.raises(RuntimeError, match="could not start the worker of vgpu:1"):
+        pipeline.Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1")
+    assert len(made) == 1
+    made[0].join()             # stopped: the join returns
+    assert not made[0].alive
+
+
+def test_unmarked_tests_see_virtual_devices_only():
+    """conftest pins a device count to virtual devices outside tests marked `cuda` (a GPU machine would
+    otherwise give `Pipeline(model, 2)` two GPUs under CPU tolerances)."""
+    assert [d.name for d in get_devices(2)] == ["vgpu:0", "vgpu:1"]
+    assert all(d.virtual for d in list_devices())

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import tiny_model
-from mpedu.distributed import (FAIL_ENV, StageModule, _GradContiguous, check_tied_weights, plan_schedule,
-                               rank_placement)
+from mpedu.distributed import (FAIL_ENV, StageModule, _GradContiguous, check_tied_weights, choose_backend,
+                               plan_schedule, rank_placement)
 from mpedu.model import LSTMLM, LMConfig, nll_sum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +97,27 @@ def test_stage_module_takes_batch_first_tokens_and_returns_a_tensor():
         first(tokens)
 
 
+@pytest.mark.parametrize("processes,gpus,expected", [
+    (2, 0, "gloo"),
+    (2, 1, "gloo"),     # two processes on one GPU: gloo for both (per-rank choice gave rank 0 NCCL: a hang)
+    (2, 2, "nccl"),
+    (2, 8, "nccl"),
+    (4, 2, "gloo"),
+])
+def test_every_rank_of_a_node_chooses_the_same_backend(processes, gpus, expected):
+    # what each local rank decides sees only what all of them see alike
+    assert {choose_backend("auto", processes, gpus) for _ in range(processes)} == {expected}
+    assert choose_backend("gloo", processes, gpus) == "gloo"
+
+
+def test_nccl_with_more_processes_than_gpus_says_what_to_do():
+    with pytest.raises(RuntimeError, match=r"started 2 processes on this node and it has 1 GPU\(s\): start at "
+                                           r"most 1 per node \(--nproc-per-node\) or use --backend gloo"):
+        choose_backend("nccl", 2, 1)
+    with pytest.raises(RuntimeError, match=r"has 0 GPU\(s\): use --backend gloo"):
+        choose_backend("nccl", 1, 0)
+
+
 def test_the_runner_needs_a_process_group():
     from mpedu.distributed import DistributedPipeline
     if dist.is_initialized():
@@ -121,8 +142,10 @@ def torchrun(*args, env=None, timeout=120):
     """Run `torchrun --nproc-per-node 2 -m mpedu.distributed ARGS`; return (process, seconds)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "mpedu.distributed", *args]
+    # CUDA_VISIBLE_DEVICES="": the ranks run gloo on the CPU, which the CPU tolerances below assume
+    # (on a GPU machine they would pick NCCL; bench/gpu_check.py runs that case)
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               "OMP_NUM_THREADS": "1", **(env or {})}
+               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     if Path("/sys/class/net/lo").exists():
         environ.setdefault("GLOO_SOCKET_IFNAME", "lo")          # stay on the loopback interface
     start = time.monotonic()

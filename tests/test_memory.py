@@ -87,3 +87,59 @@ def test_table_and_pictures():
     assert [line.get_label() for line in lines] == ["vgpu:0", "vgpu:1"]
     scale = 1e3 if "(kB)" in over_time.get_ylabel() else 1e6
     assert max(lines[0].get_ydata()) * scale == pytest.approx(report["vgpu:0"].peak_activations, rel=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("placement", [
+    pytest.param(BALANCED, id="cpu-twin"),
+    pytest.param("embed,lstm0:cuda:0 | lstm1-2,decode:vgpu:0", id="gpu-and-cpu",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+])
+def test_a_gpus_measured_peak_stands_beside_the_estimate(placement):
+    model, pipe, _, report = step("gpipe", placement=placement)
+    table = report.table()
+    for d in report.devices:
+        if d.device.startswith("cuda"):
+            # it held at least its parameters and gradients at once (plus the context it leaves out)
+            assert d.measured >= d.params + d.grads
+        else:
+            assert d.measured is None
+    gpu = any(d.device.startswith("cuda") for d in report.devices)
+    assert ("measured peak" in table) == gpu
+    assert ("leaves out the CUDA context" in table) == gpu
+
+
+def test_the_table_puts_a_measured_peak_beside_the_estimate():
+    from mpedu.memory import DeviceMemory, MemoryReport
+    report = MemoryReport([DeviceMemory("cuda:0", 1_000_000, 1_000_000, 0, 500_000, measured=3_200_000),
+                           DeviceMemory("vgpu:0", 2_000, 2_000, 0, 0)])
+    lines = report.table().splitlines()
+    assert lines[0] == "memory per device (MB)" and lines[1].endswith("total  measured peak")
+    assert lines[2].split()[-2:] == ["2.50", "3.20"]      # estimate, then measured
+    assert lines[3].split()[-2:] == ["0.00", "-"]         # nothing measured on a virtual device
+    assert "torch.cuda.max_memory_allocated" in lines[-1] and "cuDNN/cuBLAS workspaces" in lines[-1]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("placement", [
+    pytest.param(BALANCED, id="cpu-twin"),
+    pytest.param("embed,lstm0:cuda:0 | lstm1-2,decode:vgpu:0", id="gpu-and-cpu",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+])
+def test_the_memory_cap_message_gives_a_gpus_measured_peak(placement):
+    from mpedu.capacity import MemoryCapError
+    with Pipeline(tiny_model(), placement, "gpipe", micro_batches=4, memory_cap="1kB") as pipe:
+        with pytest.raises(MemoryCapError) as info:
+            pipe.train_step(make_batch())
+    message = str(info.value)
+    assert ("Measured on cuda:0 so far: a peak of" in message) == ("cuda" in placement)
+    assert "Measured on vgpu" not in message
+
+
+def test_a_measured_peak_reads_as_a_sentence(monkeypatch):
+    import mpedu.capacity as capacity
+    monkeypatch.setattr(capacity, "measured_peak", lambda device: 12_345_678 if device == "cuda:1" else None)
+    assert capacity.gpu_measured("vgpu:0") == ""
+    text = capacity.gpu_measured("cuda:1")
+    assert text.startswith(" Measured on cuda:1 so far: a peak of 12.3 MB allocated; the estimate leaves out")
+    assert text.endswith(".")

@@ -66,7 +66,8 @@ def test_gantt_draws_a_box_per_action_on_its_device_row():
 def test_gantt_options_title_units_limits_and_no_transfers():
     ax = gpipe_by_hand().plot(title="GPipe by hand", time_unit="s", show_transfers=False, xlim=(0, 12))
     assert ax.get_title("left").startswith("GPipe by hand: makespan 9.0 s, bubble 33%")
-    assert ax.get_xlim() == (0, 12) and ax.get_xlabel() == "time (s)"
+    assert ax.get_xlim() == (0, 12) and ax.get_xlabel().startswith("time (s)")
+    assert "F3 = forward of micro-batch 3" in ax.get_xlabel(), "the axis label says how to read a box's label"
     assert boxes(ax)[0][2] == (5.0, 2.0)
     assert not [c for c in ax.collections if isinstance(c, LineCollection)]
     assert "transfer" not in [x.get_text() for x in ax.get_legend().get_texts()]
@@ -122,6 +123,28 @@ def test_predicted_and_measured_stack_on_one_time_axis():
     assert own[0].get_xlim() == (0.0, 9e3) and own[0].get_title("left").startswith("measured timeline")
     with pytest.raises(ValueError, match="2 titles for 1 timelines"):
         plot_timelines([fast], titles=["a", "b"])
+
+
+def test_one_legend_keys_the_marks_of_every_panel():
+    # GPipe on top (F, B only), zero bubble below (W boxes), interleaved at the bottom (a device's 2nd stage
+    # hatched, labels with the stage) and a wavefront (time chunks): the top panel's legend keys all of them.
+    gpipe = gpipe_by_hand()
+    zb = Timeline(["vgpu:0"], [Event("vgpu:0", "F", 0, 0, 0.0, 1.0), Event("vgpu:0", "B", 0, 0, 1.0, 2.0),
+                               Event("vgpu:0", "W", 0, 0, 2.0, 3.0)])
+    interleaved = Timeline(["vgpu:0"], [Event("vgpu:0", "F", 0, 0, 0.0, 1.0), Event("vgpu:0", "F", 2, 0, 1.0, 2.0)])
+    wave = Timeline(["vgpu:0"], [Event("vgpu:0", "F", 0, 0, 0.0, 1.0, chunk=0),
+                                 Event("vgpu:0", "F", 0, 0, 1.0, 2.0, chunk=1)])
+    fig = plot_timelines([gpipe, zb, interleaved, wave])
+    keys = [x.get_text() for x in fig.axes[0].get_legend().get_texts()]
+    assert keys == ["F forward", "B backward", "W weight gradient", "1st stage on a device",
+                    "2nd stage on a device", "transfer", "idle"]
+    assert all(ax.get_legend() is None for ax in fig.axes[1:])
+    assert "1F3.2 = stage 1's forward of micro-batch 3, time chunk 2" in fig.axes[-1].get_xlabel()
+    hatched = [p for p in fig.axes[0].get_legend().get_patches() if p.get_hatch()]
+    assert len(hatched) == 1, "the hatched key stands for the hatched boxes"
+    alone = gpipe.plot()
+    assert "W weight gradient" not in [x.get_text() for x in alone.get_legend().get_texts()], \
+        "a timeline drawn alone keys only its own marks"
 
 
 def test_chrome_trace_has_a_slice_per_action_a_track_per_device_and_memory_counters(tmp_path):

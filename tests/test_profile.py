@@ -107,3 +107,22 @@ def test_measure_cores_can_run_the_models_own_work():
     model = tiny_model(num_layers=1)
     assert 0 < measure_cores(2, repeats=1, model=model, batch=make_batch()) <= 2
     assert all(p.grad is None for p in model.parameters()), "the workers must train copies, not the model"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("device", ["vgpu:0", pytest.param("cuda:0", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_profile_measures_a_copy_and_leaves_the_model_where_it_is(device):
+    """A live Pipeline's layers sit on its GPUs: profiling them there must not move them to
+    another device, nor run backward into their gradients."""
+    model, batch = tiny_model(num_layers=1), make_batch()
+    model.eval()
+    where = {name: (p.device, p.data_ptr()) for name, p in model.named_parameters()}
+    touched = []
+    for name, p in model.named_parameters():
+        p.register_hook(lambda grad, name=name: touched.append(name))    # runs if backward reaches p
+    costs = profile(model, batch, device=device, warmup=0, repeats=1)
+    assert costs.device == device and all(t > 0 for t in costs.forward)
+    assert {name: (p.device, p.data_ptr()) for name, p in model.named_parameters()} == where
+    assert touched == [], "profile ran backward through the caller's parameters"
+    assert not model.training

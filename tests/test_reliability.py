@@ -167,6 +167,52 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
         assert torch.equal(p, q), name
 
 
+# A run with dropout on 2 virtual devices: masks are positional (mpedu.dropout), a function of the seed and
+# the global step, so a resumed run draws the masks the uninterrupted one drew.
+_DROPOUT_RUN = """
+import sys, torch
+from mpedu.data import Corpus, load_corpus
+from mpedu.model import LSTMLM
+from mpedu.pipeline import Pipeline
+from mpedu.train import train
+corpus = load_corpus()
+little = Corpus(corpus.vocab, corpus.train[:200], corpus.valid[:40], corpus.test[:40], name="little")
+torch.manual_seed(int(sys.argv[2]))                       # the resumed run starts from other weights
+model = LSTMLM.from_config("tiny", vocab_size=len(little.vocab), dropout=0.3)
+with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "1f1b", micro_batches=4) as pipe:
+    train(model, little, runner=pipe, epochs=3, batch_size=16, lr=5.0, seed=3, checkpoint_every=2,
+          limit_batches=6, out=sys.argv[1], resume=sys.argv[2] != "0", progress=False)
+"""
+
+
+def test_kill_9_and_resume_with_dropout_on_two_devices_equals_the_uninterrupted_run(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop(SLOW_WRITE_ENV, None)
+
+    def start(out, seed):
+        return subprocess.Popen([sys.executable, "-c", _DROPOUT_RUN, str(out), str(seed)], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    straight, killed = start(tmp_path / "straight", 0), start(tmp_path / "killed", 0)
+    ckpt = tmp_path / "killed" / "checkpoint.pt"
+    assert _wait_for(ckpt.exists, killed), "the run wrote no checkpoint"
+    assert killed.poll() is None, "the run ended before it could be killed"
+    _kill(killed)
+    position = load_checkpoint(ckpt)["position"]
+    assert (position["epoch"], position["batch"]) < (3, 0)
+    resumed = start(tmp_path / "killed", 1)
+    for proc in (straight, resumed):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    assert "resumed from" in out
+    a, b = load_checkpoint(tmp_path / "straight" / "checkpoint.pt"), load_checkpoint(ckpt)
+    assert computed(a["history"]) == computed(b["history"])
+    ma, _ = load_model(tmp_path / "straight" / "model.pt")
+    mb, _ = load_model(tmp_path / "killed" / "model.pt")
+    assert ma.config.dropout == 0.3
+    for (name, p), q in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
 def test_a_leftover_temp_file_is_removed_and_never_read(little, tmp_path):
     train(lm(little), little, epochs=1, out=tmp_path, limit_batches=2, **quiet(**RUN))
     before = load_checkpoint(tmp_path / "checkpoint.pt")

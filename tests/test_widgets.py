@@ -1,5 +1,8 @@
-"""PipelineExplorer without a browser: trait changes redraw, bad choices become messages, Run trains and Stop stops."""
+"""PipelineExplorer without a browser: trait changes redraw, refused choices become messages in the learner's words
+and leave nothing stale behind, every control offers only values it accepts, Run trains and Stop stops."""
 import json
+import random
+import re
 import time
 
 import pytest
@@ -11,18 +14,18 @@ from conftest import make_batch, tiny_model  # noqa: E402
 from mpedu.placement import Placement  # noqa: E402
 from mpedu.profile import Costs  # noqa: E402
 from mpedu.timeline import Timeline  # noqa: E402
-from mpedu.widgets import _CSS, _ESM, PipelineExplorer  # noqa: E402
+from mpedu.widgets import _CSS, _ESM, _TIMELINE_ESM, LINKS, SCHEDULES, PipelineExplorer, Refusal, _dealt  # noqa: E402
 
 B, T, M = 8, 9, 4
 
 
-def fixed_costs(model):
-    """Made-up costs for micro-batches of B / M columns: the decoder is the heavy layer, as in a real LM."""
+def fixed_costs(model, sequences=B // M, per_sequence=1.0):
+    """Made-up costs for micro-batches of `sequences` columns: the decoder is the heavy layer, as in a real LM."""
     n = len(model.layer_names)
-    forward = [1e-4] + [1e-3] * (n - 2) + [4e-3]
+    forward = [x * sequences * per_sequence / 2 for x in [1e-4] + [1e-3] * (n - 2) + [4e-3]]
     return Costs(model.layer_names, forward, [2 * f for f in forward], [f for f in forward], [f for f in forward],
                  activation_bytes=[1000] * n, output_bytes=[100] * (n - 1) + [0], param_bytes=[5000] * n,
-                 shared_bytes=[0] * n, micro_batch=(T, B // M))
+                 shared_bytes=[0] * n, micro_batch=(T, sequences))
 
 
 @pytest.fixture
@@ -37,29 +40,40 @@ def moved(explorer, layer, device):
     explorer.board.assignment = {**explorer.board.assignment, layer: device}
 
 
+def shown(explorer) -> bool:
+    return explorer.timeline.layout.display != "none" and bool(explorer.timeline.panels)
+
+
+def text(html: str) -> str:
+    return re.sub(r"<[^>]+>", "", html)
+
+
 def test_starts_with_an_even_split_and_its_prediction(explorer):
     assert explorer.placement == Placement.even(explorer.model, 2)
     assert explorer.board.devices == ["vgpu:0", "vgpu:1"]
     assert explorer.board.layers == explorer.model.layer_names
     assert isinstance(explorer.predicted, Timeline) and explorer.predicted.source == "predicted"
-    assert bytes(explorer.image.value[:4]) == b"\x89PNG"
+    [panel] = explorer.timeline.panels
+    assert panel["devices"] == ["vgpu:0", "vgpu:1"] and len(panel["boxes"]) == len(explorer.predicted.compute())
+    assert len(panel["transfers"]) == 2 * M
     assert str(explorer.placement) in explorer.message.value
     assert set(explorer.figures) >= {"makespan_s", "bubble", "speedup", "transfers", "memory_bytes"}
     assert explorer.figures["transfers"] == 2 * M        # one cut, both directions, every micro-batch
     assert set(explorer.board.device_notes) == {"vgpu:0", "vgpu:1"}
+    assert explorer.progress.layout.display == "none" and explorer.run_status.value == ""
     assert repr(explorer) == ("PipelineExplorer(embed,lstm0-1:vgpu0 | lstm2,decode:vgpu1, schedule=gpipe, "
                               "micro_batches=4)")
 
 
 def test_a_dropped_layer_changes_the_placement_and_redraws_quickly(explorer):
-    before, picture = explorer.predicted.makespan, explorer.image.value
+    before, panels, revision = explorer.predicted.makespan, explorer.timeline.panels, explorer.timeline.revision
     start = time.perf_counter()
     moved(explorer, "lstm2", "vgpu:0")                  # the observer redraws before this returns
     seconds = time.perf_counter() - start
-    print(f"redraw after a drop: {seconds * 1e3:.0f} ms")
+    print(f"redraw after a drop: {seconds * 1e3:.1f} ms of Python")
     assert str(explorer.placement) == "embed,lstm0-2:vgpu0 | decode:vgpu1"
     assert explorer.predicted.makespan != before
-    assert explorer.image.value != picture
+    assert explorer.timeline.panels != panels and explorer.timeline.revision == revision + 1
     assert seconds < 1.0
 
 
@@ -74,15 +88,37 @@ def test_schedule_micro_batches_and_chunks_redraw(explorer):
     seen = {explorer.predicted.makespan}
     explorer.schedule_menu.value = "1f1b"
     assert [e.kind for e in explorer.predicted.compute("vgpu:1")][:4] == ["F", "B", "F", "B"]
-    explorer.micro_batches.value = 2                    # a new micro-batch shape: profiled once, then cached
+    explorer.micro_batches.value = 2                    # a new micro-batch shape: estimated now, measured after
     assert len(explorer.predicted.compute()) == 2 * 2 * 2
+    explorer.wait(timeout=60)
     seen.add(explorer.predicted.makespan)
-    assert explorer.chunks.disabled
+    assert explorer.chunks.disabled and "wavefront" in explorer.chunks.description
     explorer.schedule_menu.value = "wavefront"
     assert not explorer.chunks.disabled
     explorer.chunks.value = 3
     assert {e.chunk for e in explorer.predicted.compute()} == {0, 1, 2}
     assert len(seen) == 2
+
+
+def test_a_new_micro_batch_size_is_drawn_at_once_then_measured(explorer):
+    explorer.micro_batches.value = 8                    # 1 sequence each: no costs for it yet
+    assert explorer.figures["estimated"] and shown(explorer)
+    assert "estimated step" in explorer.figure_line.value and "measuring" in explorer.note.value
+    revision = explorer.timeline.revision
+    explorer.wait(timeout=60)                           # the background measurement redraws by itself
+    assert explorer._costs[T, 1].micro_batch == (T, 1)
+    assert not explorer.figures["estimated"] and explorer.timeline.revision > revision
+    assert "predicted step" in explorer.figure_line.value and "measuring" not in explorer.note.value
+
+
+def test_small_micro_batches_that_cost_more_per_sequence_are_explained(tmp_path):
+    model = tiny_model(num_layers=3)
+    costs = [fixed_costs(model, B // M), fixed_costs(model, 1, per_sequence=2.0)]   # 1-sequence ones: 2x dearer
+    ex = PipelineExplorer(model, make_batch(T=T, B=B), micro_batches=M, costs=costs)
+    assert ex.note.value == ""
+    ex.micro_batches.value = B
+    assert "2.0× the time per sequence" in ex.note.value and "Micro-batches of 1 sequence cost" in ex.note.value
+    assert "the same 8 micro-batches" in ex.figure_line.value   # what "the speed of one device" compares with
 
 
 def test_only_divisors_of_the_batch_are_offered(explorer):
@@ -91,30 +127,134 @@ def test_only_divisors_of_the_batch_are_offered(explorer):
         PipelineExplorer(explorer.model, explorer.batch, micro_batches=3, costs=fixed_costs(explorer.model))
 
 
-@pytest.mark.parametrize("change, words", [
+def test_every_device_count_and_micro_batch_count_the_sliders_offer_is_accepted(explorer):
+    layers = len(explorer.model.layer_names)
+    assert (explorer.device_count.min, explorer.device_count.max) == (1, layers)   # no count that is always refused
+    for p in range(1, layers + 1):
+        explorer.device_count.value = p
+        assert explorer.predicted is not None, text(explorer.message.value)
+    for m in explorer.micro_batches.options:
+        explorer.micro_batches.value = m
+        assert explorer.predicted is not None, text(explorer.message.value)
+    explorer.schedule_menu.value = "wavefront"
+    for c in range(explorer.chunks.min, explorer.chunks.max + 1):
+        explorer.chunks.value = c
+        assert explorer.predicted is not None, text(explorer.message.value)
+    explorer.wait(timeout=120)
+
+
+def test_every_schedule_in_the_menu_accepts_some_placement(explorer):
+    for key in SCHEDULES:
+        explorer.schedule_menu.value = key
+        if explorer.predicted is None:                  # interleaved: the refusal offers the placement it needs
+            explorer.fix_button.click()
+        assert explorer.predicted is not None, (key, text(explorer.message.value))
+
+
+REFUSALS = [
     (lambda ex: setattr(ex.board, "assignment", dict.fromkeys(ex.model.layer_names, "vgpu:0")),
-     "vgpu:1 holds no layer"),
-    (lambda ex: setattr(ex.device_count, "value", 6), "6 devices but only 5 layers"),
+     "vgpu:1 holds no layer: drag a layer onto it, or use fewer devices"),
     (lambda ex: (moved(ex, "lstm0", "vgpu:1"), setattr(ex.schedule_menu, "value", "zb1")),
-     "zb1 schedule needs one stage per device"),
-    (lambda ex: setattr(ex.schedule_menu, "value", "interleaved"), "interleaved needs each of the p devices"),
-])
-def test_invalid_choices_show_a_message_not_a_traceback(explorer, change, words):
+     "zero bubble (ZB-H1) needs each device to hold one stage"),
+    (lambda ex: (moved(ex, "decode", "vgpu:0"), setattr(ex.schedule_menu, "value", "1f1b")),
+     "1F1B needs each device to hold one stage"),
+    (lambda ex: setattr(ex.schedule_menu, "value", "interleaved"),
+     "interleaved 1F1B needs the layers dealt to the devices in turn"),
+    (lambda ex: (setattr(ex.device_count, "value", 3), setattr(ex.schedule_menu, "value", "interleaved")),
+     "at least 6 layers for 3 devices; this model has 5. Use 2 devices, or pick 1F1B"),
+]
+
+
+@pytest.mark.parametrize("change, words", REFUSALS)
+def test_a_refused_choice_is_said_in_the_words_on_screen(explorer, change, words):
     change(explorer)
-    assert words in explorer.message.value
-    assert "Traceback" not in explorer.message.value
-    assert explorer.placement is None or explorer.predicted is None
+    message = text(explorer.message.value)
+    assert words in message
+    assert "Traceback" not in message
+    # the names a learner sees (menu labels, "devices", "micro-batches"), never the library's argument names
+    for programmer in ("schedule=", "stage devices", "stage_devices", "micro_batches", "v >=", "p devices",
+                       "round-robin", "s % p"):
+        assert programmer not in message
+    assert re.search(r"\b(Drag|drag|Use|Pick|pick|press)\b", message), "a refusal says what to do"
     assert explorer.predicted is None and explorer.figures == {}
     assert explorer.run_button.disabled
-    assert explorer.image.layout.visibility == "hidden"
 
 
-def test_fixing_the_choice_clears_the_message(explorer):
-    explorer.board.assignment = dict.fromkeys(explorer.model.layer_names, "vgpu:0")
-    assert explorer.predicted is None
-    moved(explorer, "decode", "vgpu:1")
-    assert explorer.predicted is not None and "⚠" not in explorer.message.value
-    assert not explorer.run_button.disabled and explorer.image.layout.visibility == "visible"
+def test_random_boards_are_accepted_or_refused_in_the_widgets_words(explorer):
+    """Any board a learner can make, with any schedule and micro-batch count: a prediction, or a message of the
+    widget's own (never the library's, which names arguments such as micro_batches=)."""
+    rng, layers = random.Random(0), explorer.model.layer_names
+    for _ in range(150):
+        p = rng.randint(1, len(layers))
+        explorer.device_count.value = p
+        explorer.board.assignment = {name: f"vgpu:{rng.randrange(p)}" for name in layers}
+        explorer.schedule_menu.value = rng.choice(list(SCHEDULES))
+        explorer.micro_batches.value = rng.choice(explorer.micro_batches.options)
+        try:
+            explorer._check()
+        except Refusal:
+            pass
+        message = text(explorer.message.value)
+        assert explorer.predicted is not None or "⚠" in message
+        assert "_" not in message.replace("schedule menu", ""), message   # no argument names
+    explorer.wait(timeout=120)
+
+
+def test_a_refused_choice_leaves_no_stale_figure_status_or_space(explorer):
+    explorer.run()
+    explorer.wait(timeout=60)
+    assert len(explorer.timeline.panels) == 2 and "step 3/3" in explorer.run_status.value
+    assert explorer.progress.layout.display != "none"
+    explorer.schedule_menu.value = "interleaved"        # refused for this placement
+    assert "⚠" in explorer.message.value
+    assert explorer.timeline.layout.display == "none" and explorer.timeline.panels == []   # no blank space
+    assert explorer.figure_line.value == "" and explorer.note.value == ""
+    assert explorer.run_status.value == "" and explorer.progress.layout.display == "none"
+    assert explorer.board.device_notes == {} and explorer.measured is None
+    explorer.schedule_menu.value = "gpipe"
+    assert shown(explorer) and len(explorer.timeline.panels) == 1 and explorer.run_status.value == ""
+
+
+def test_after_a_run_every_predicted_figure_is_the_same_one(explorer):
+    explorer.run()
+    explorer.wait(timeout=60)
+    predicted, measured = explorer.timeline.panels
+    assert predicted["title"].startswith("predicted step") and measured["title"].startswith("measured step 3")
+    ms = f"{explorer.predicted.makespan * 1e3:.1f} ms"
+    assert ms in predicted["title"] and ms in explorer.figure_line.value
+    everything = " ".join([explorer.figure_line.value, explorer.run_status.value, explorer.note.value,
+                           *(p["title"] for p in explorer.timeline.panels)])
+    assert everything.count("predicted") == 1 + ("predicted" in explorer.figure_line.value)
+
+
+def test_the_fix_buttons_do_what_the_refusal_says(explorer):
+    explorer.schedule_menu.value = "interleaved"
+    assert explorer.fix_button.layout.display != "none" and explorer.fix_button.description
+    explorer.fix_button.click()
+    assert str(explorer.placement) == _dealt(explorer.model.layer_names, ["vgpu:0", "vgpu:1"]).replace(
+        "lstm0,lstm1", "lstm0-1")
+    assert explorer.predicted is not None and explorer.fix_button.layout.display == "none"
+    explorer.micro_batches.value = 1                    # interleaved needs a multiple of the 2 devices
+    assert "Pick 2 micro-batches" in text(explorer.message.value)
+    explorer.fix_button.click()
+    assert explorer.micro_batches.value == 2 and explorer.predicted is not None
+
+
+def test_the_legend_names_every_mark_and_label(explorer):
+    legend = lambda: " ".join(m["label"] for m in explorer.timeline.legend["marks"])   # noqa: E731
+    assert {"F forward", "B backward", "transfer", "waits"} <= set(re.findall(r"F forward|B backward|transfer|waits",
+                                                                            legend()))
+    explorer.schedule_menu.value = "zb1"
+    assert "W weight gradient" in legend()
+    explorer.schedule_menu.value = "interleaved"
+    explorer.fix_button.click()
+    assert any(m["hatch"] for m in explorer.timeline.legend["marks"]) and "2nd stage" in legend()
+    assert any(b[6] == "1F0" for b in explorer.timeline.panels[0]["boxes"])
+    assert "1F3" in explorer.timeline.legend["labels"] and "stage" in explorer.timeline.legend["labels"]
+    explorer.placement = Placement.even(explorer.model, 2)
+    explorer.schedule_menu.value = "wavefront"
+    assert any(b[6] == "F0.1" for b in explorer.timeline.panels[0]["boxes"])
+    assert "time chunk" in explorer.timeline.legend["labels"]
 
 
 def test_device_count_adds_and_removes_columns(explorer):
@@ -133,6 +273,19 @@ def test_setting_a_placement_moves_the_chips(explorer):
     assert explorer.device_count.value == 3
     assert explorer.board.assignment["decode"] == "vgpu:2"
     assert explorer.predicted.devices == ["vgpu:0", "vgpu:1", "vgpu:2"]
+    assert "embed:vgpu0 | lstm0-2:vgpu1 | decode:vgpu2" in explorer.message.value   # the widget shows it too
+
+
+def test_the_link_menu_changes_the_prediction(explorer):
+    fast = explorer.predicted.makespan
+    assert explorer.slowdown.disabled                   # shared memory has no delay to slow down
+    slow = next(k for k, link in LINKS.items() if link.emulated and link.bandwidth_Bps < 50e9)
+    explorer.link_menu.value = slow
+    assert not explorer.slowdown.disabled and explorer.link == LINKS[slow]
+    explorer.slowdown.value = 100
+    assert explorer.link == LINKS[slow].slowed(100)
+    assert explorer.predicted.makespan > fast
+    assert json.loads(explorer.state_file.read_text())["link"] == slow
 
 
 def test_the_state_file_holds_what_python_sees(explorer):
@@ -141,6 +294,7 @@ def test_the_state_file_holds_what_python_sees(explorer):
     assert state["placement"] == "embed,lstm0-2:vgpu0 | decode:vgpu1"
     assert state["assignment"]["lstm2"] == "vgpu:0"
     assert state["figures"]["transfers"] == 2 * M
+    assert state["revision"] == explorer.timeline.revision
 
 
 def test_run_trains_steps_and_updates_progress(explorer):
@@ -179,4 +333,11 @@ def test_a_failing_run_reports_in_the_widget():
 
 
 def test_the_front_end_code_fetches_nothing():
-    assert "http" not in _ESM + _CSS and "import " not in _ESM and "@import" not in _CSS
+    code = _ESM + _TIMELINE_ESM + _CSS
+    assert "http" not in code.replace("http://www.w3.org/2000/svg", "") and "import " not in code
+    assert "@import" not in _CSS
+
+
+def test_text_on_the_page_is_at_least_11_pixels():
+    sizes = [int(s) for s in re.findall(r"font-size:\s*(\d+)px", _CSS)]
+    assert sizes and min(sizes) >= 11

@@ -1,0 +1,301 @@
+"""Exactly the single-device numbers on every schedule: frozen layers, stream mode, and positional dropout."""
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import VOCAB, make_batch, tiny_model
+from mpedu import dropout
+from mpedu.bucketing import Batch, StreamIterator
+from mpedu.dropout import Position, PositionalDropout, keep_mask
+from mpedu.model import LSTMLM, LMConfig
+from mpedu.pipeline import Pipeline
+from mpedu.train import SingleDevice, evaluate
+from test_distributed import needs_gloo, torchrun
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
+
+# embed alone on stage 0 (token ids in); lstm0-1 on stage 1 (floats in); devices revisited
+FOUR = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2:vgpu0 | decode:vgpu1"
+THREE = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2,decode:vgpu2"          # zb1: one stage per device
+# schedule, placement, micro-batches, time chunks: every schedule, with m > 1 (and chunks) somewhere
+SCHEDULES = [("naive", FOUR, 2, 1), ("gpipe", FOUR, 4, 1), ("1f1b", FOUR, 4, 1), ("interleaved", FOUR, 4, 1),
+             ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3)]
+IDS = [s[0] for s in SCHEDULES]
+P = 0.4          # dropout probability of the tests that use dropout
+
+
+def grads(model):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def one_device(model, batches, seed=0):
+    """Loss and gradients of each batch on SingleDevice (the reference), gradients zeroed between."""
+    runner, out = SingleDevice(model), []
+    runner.dropout_seed = seed
+    for batch in batches:
+        model.zero_grad(set_to_none=True)
+        out.append((runner.train_step(batch).loss, grads(model)))
+    return out
+
+
+def pipelined(model, schedule, placement, m, chunks, batches, seed=0):
+    out = []
+    with Pipeline(model, placement, schedule, micro_batches=m, chunks=chunks) as pipe:
+        pipe.dropout_seed = seed
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            out.append((pipe.train_step(batch).loss, grads(model)))
+    return out
+
+
+def assert_same(got, expected, exact=False):
+    """Equal losses and gradients: bit for bit when `exact`, else to float rounding, the standard of
+    the transparency tests in test_pipeline.py (micro-batches sum in another order than one batch)."""
+    assert len(got) == len(expected)
+    for k, ((loss, g), (ref_loss, ref)) in enumerate(zip(got, expected)):
+        assert set(g) == set(ref)
+        if exact:
+            assert loss == ref_loss, f"batch {k}"
+        else:
+            assert loss == pytest.approx(ref_loss, rel=1e-6), f"batch {k}"
+        for name in ref:
+            if ref[name] is None or g[name] is None:
+                assert g[name] is None and ref[name] is None, f"batch {k}: {name} has a gradient on one side only"
+            elif exact:
+                assert torch.equal(g[name], ref[name]), f"batch {k}: {name}"
+            else:
+                torch.testing.assert_close(g[name], ref[name], rtol=1e-5, atol=1e-7, msg=f"batch {k}: {name}")
+
+
+# ---------------------------------------------------------------- the masks themselves
+
+def test_a_slice_of_the_batch_gets_exactly_that_slice_of_the_batch_mask():
+    where = Position(seed=5, step=11)
+    whole = keep_mask(0.3, 2, (9, 8, 16), where)                      # (T, B, H)
+    for t0, t1, b0, b1 in [(0, 9, 0, 8), (3, 7, 2, 6), (8, 9, 7, 8), (0, 4, 4, 8)]:
+        part = keep_mask(0.3, 2, (t1 - t0, b1 - b0, 16), where.at(sequence=b0, time=t0))
+        assert torch.equal(part, whole[t0:t1, b0:b1])
+
+
+def test_masks_keep_1_minus_p_and_differ_by_seed_step_and_layer():
+    where = Position(seed=0, step=0)
+    base = keep_mask(0.4, 1, (35, 64, 200), where)
+    assert base.float().mean().item() == pytest.approx(0.6, abs=0.005)
+    others = [keep_mask(0.4, 1, (35, 64, 200), Position(1, 0)), keep_mask(0.4, 1, (35, 64, 200), Position(0, 1)),
+              keep_mask(0.4, 2, (35, 64, 200), where)]
+    for other in others:
+        # independent masks agree where both keep or both drop: 0.6^2 + 0.4^2 = 0.52 of the elements
+        assert (base == other).float().mean().item() == pytest.approx(0.52, abs=0.01)
+    # neighbours in time, sequence and feature are independent too
+    for a, b in [(base[1:], base[:-1]), (base[:, 1:], base[:, :-1]), (base[..., 1:], base[..., :-1])]:
+        assert (a == b).float().mean().item() == pytest.approx(0.52, abs=0.01)
+
+
+def test_eval_mode_and_p_0_are_the_identity_and_gradients_flow_through_the_mask():
+    layer, x = PositionalDropout(0.5, layer=0), torch.randn(4, 3, 5, requires_grad=True)
+    with dropout.at(Position(0, 0)):
+        assert torch.equal(layer.eval()(x), x)
+        assert torch.equal(PositionalDropout(0.0, layer=0)(x), x)
+        y = layer.train()(x)
+    keep = keep_mask(0.5, 0, (4, 3, 5), Position(0, 0))
+    assert torch.equal(y, x * keep * 2.0)
+    y.sum().backward()
+    assert torch.equal(x.grad, keep * 2.0)
+
+
+def test_each_thread_sees_only_its_own_position():
+    import threading
+    seen = {}
+
+    def run(k):
+        with dropout.at(Position(k, k)):
+            threading.Event().wait(0.01)          # let the other threads set theirs meanwhile
+            seen[k] = dropout.current()
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {k: Position(k, k) for k in range(4)}
+    assert dropout.current() is None
+
+
+@pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=IDS)
+def test_every_schedule_applies_exactly_the_single_device_masks(monkeypatch, schedule, placement, m, chunks):
+    """Each (micro-batch, chunk) draws its slice; put together, the slices are the one-device masks, bit for bit."""
+    drawn = []          # (layer, position, mask), appended from every device's thread
+
+    def recording(p, layer, shape, where, device="cpu"):
+        mask = keep_mask(p, layer, shape, where, device)
+        drawn.append((layer, where, mask))
+        return mask
+
+    monkeypatch.setattr(dropout, "keep_mask", recording)
+    batch = make_batch(T=9, B=8)
+    one_device(tiny_model(dropout=P), [batch], seed=3)
+    expected = {layer: mask for layer, _, mask in drawn}
+    assert len(expected) == 4                       # embed, lstm0-2
+    drawn.clear()
+    pipelined(tiny_model(dropout=P), schedule, placement, m, chunks, [batch], seed=3)
+    assert len(drawn) == 4 * m * chunks
+    for layer, mask in expected.items():
+        together = torch.zeros_like(mask)
+        for _, where, part in (d for d in drawn if d[0] == layer):
+            t, b, _ = part.shape
+            together[where.time:where.time + t, where.sequence:where.sequence + b] = part
+        assert torch.equal(together, mask), f"layer {layer}"
+
+
+# ---------------------------------------------------------------- loss and gradients with dropout
+
+@pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=IDS)
+def test_dropout_gives_the_single_device_loss_and_gradients(schedule, placement, m, chunks):
+    batches = [make_batch(T=9, B=8, seed=k) for k in range(2)]      # two steps: two sets of masks
+    reference = one_device(tiny_model(dropout=P), batches, seed=3)
+    assert_same(pipelined(tiny_model(dropout=P), schedule, placement, m, chunks, batches, seed=3), reference)
+    # the masks matter: another seed, or no dropout, is far from the reference
+    for other in (pipelined(tiny_model(dropout=P), schedule, placement, m, chunks, batches[:1], seed=4),
+                  one_device(tiny_model(dropout=0.0), batches[:1])):
+        assert abs(other[0][0] - reference[0][0]) > 1e-3
+
+
+@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b", "zb1", "wavefront"])   # (interleaved needs m >= 2)
+@pytest.mark.parametrize("placement", [THREE, "embed,lstm0-2,decode:vgpu0"])
+def test_one_micro_batch_one_chunk_is_bit_for_bit_the_single_device_step(schedule, placement):
+    """With the same arithmetic (m = 1, no time chunks) a placement and schedule gives the
+    single-device loss and gradients bit for bit, dropout included."""
+    batch = make_batch(T=9, B=8)
+    reference = one_device(tiny_model(dropout=P), [batch], seed=2)
+    assert_same(pipelined(tiny_model(dropout=P), schedule, placement, 1, 1, [batch], seed=2), reference, exact=True)
+
+
+@pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=IDS)
+def test_three_seeded_repeats_are_bit_for_bit_equal(schedule, placement, m, chunks):
+    batches = [make_batch(T=9, B=8, seed=k) for k in range(2)]
+    first = pipelined(tiny_model(dropout=P), schedule, placement, m, chunks, batches, seed=9)
+    for _ in range(2):
+        assert_same(pipelined(tiny_model(dropout=P), schedule, placement, m, chunks, batches, seed=9), first,
+                    exact=True)
+
+
+# ---------------------------------------------------------------- frozen layers
+
+FROZEN = {
+    "embed alone on its stage": ["embed"],                       # stage 0: token ids in, nothing to train
+    "lstm0 sharing a stage with lstm1": ["lstm0"],
+    "a whole stage of floats, nothing trainable upstream": ["embed", "lstm0", "lstm1"],
+}
+
+
+@pytest.mark.parametrize("frozen", list(FROZEN.values()), ids=list(FROZEN))
+@pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=IDS)
+def test_frozen_layers_train_like_one_device(schedule, placement, m, chunks, frozen):
+    def build():
+        model = tiny_model(dropout=P)
+        for name in frozen:
+            model.layers[name].requires_grad_(False)
+        return model
+    batches = [make_batch(T=9, B=8, seed=k) for k in range(2)]
+    reference = one_device(build(), batches, seed=1)
+    got = pipelined(build(), schedule, placement, m, chunks, batches, seed=1)
+    assert_same(got, reference)
+    assert all(g is None for name, g in got[0][1].items() if name.split(".")[1] in frozen)
+
+
+def test_a_layer_frozen_after_the_pipeline_was_built_gets_no_gradient():
+    model = tiny_model()
+    with Pipeline(model, THREE, "zb1", micro_batches=2) as pipe:
+        model.layers["embed"].requires_grad_(False)
+        pipe.train_step(make_batch())
+        assert model.layers["embed"].embedding.weight.grad is None
+        assert model.layers["lstm0"].lstm.weight_ih_l0.grad is not None
+
+
+# ---------------------------------------------------------------- stream mode
+
+def stream(T=5, B=8, seed=0):
+    """Windows of one stream cut into T-step windows, the last one shorter (but >= 3 steps, for 3 chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    sentences = [torch.randint(3, VOCAB, (int(k),), generator=g) for k in torch.randint(3, 9, (40,), generator=g)]
+    windows = StreamIterator(sentences, B, T)
+    batches = list(windows)
+    assert len(batches) >= 3 and 3 <= batches[-1].inputs.shape[0] < T, "the test needs a shorter last window"
+    return sentences, batches
+
+
+@pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=IDS)
+def test_stream_mode_carries_state_into_a_shorter_last_window_like_one_device(schedule, placement, m, chunks):
+    sentences, batches = stream()
+    assert_same(pipelined(tiny_model(dropout=P), schedule, placement, m, chunks, batches, seed=6),
+                one_device(tiny_model(dropout=P), batches, seed=6))
+    model = tiny_model()
+    expected = evaluate(SingleDevice(model), sentences, 8, bptt=5)
+    with Pipeline(model, placement, schedule, micro_batches=m, chunks=chunks) as pipe:
+        assert evaluate(pipe, sentences, 8, bptt=5) == pytest.approx(expected, rel=1e-6)
+        # the state matters: each window from zero state gives another number
+        fresh = 0.0
+        for b in batches:
+            pipe.reset_state()
+            fresh += pipe.eval_step(b).nll_sum
+    tokens = sum(b.tokens for b in batches)
+    assert abs(math.exp(fresh / tokens) - expected) > 1e-3
+
+
+# ---------------------------------------------------------------- torchrun: one process per device
+
+@needs_gloo
+def test_torchrun_check_with_dropout_equals_one_process(tmp_path):
+    proc, _ = torchrun("check", "--schedule", "naive,gpipe,1f1b,zb1", "--micro-batches", "4", "--batch-size", "16",
+                       "--dropout", "0.5", "--seed", "2", "--placement", "embed:vgpu0 | lstm0,lstm1,decode:vgpu1",
+                       "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the reference, computed here: the single-device runner on the ranks' weights, batch and seed
+    init, saved = torch.load(tmp_path / "check-init.pt"), torch.load(tmp_path / "check-batch.pt")
+    config = LMConfig(**init["config"])
+    assert config.dropout == 0.5
+    batch = Batch(saved["inputs"], saved["targets"], saved["targets"] != 0, saved["inputs"].shape[0], False)
+    results = {}
+    for p in (0.5, 0.0):
+        model = LSTMLM(init["vocab_size"], LMConfig(**{**init["config"], "dropout": p}))
+        model.load_state_dict(init["state"])
+        results[p] = one_device(model, [batch], seed=init["seed"])[0]
+    loss, ref = results[0.5]
+    assert abs(loss - results[0.0][0]) > 1e-3, "the check must run with dropout on"
+    report = json.loads((tmp_path / "check.json").read_text())["schedules"]
+    for schedule in ("naive", "gpipe", "1f1b", "zb1"):
+        assert report[schedule]["equal"]
+        assert report[schedule]["loss"] == pytest.approx(loss, rel=1e-6)
+        got = {k: v for rank in (0, 1) for k, v in torch.load(tmp_path / f"grads-{schedule}-rank{rank}.pt").items()}
+        assert set(got) == set(ref)
+        for name, g in ref.items():
+            torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=f"{schedule} {name}")
+
+
+@pytest.mark.parametrize("schedule,m,chunks", [("gpipe", 4, 1), ("wavefront", 2, 2)])
+def test_train_and_evaluate_in_stream_mode_through_a_pipeline_equal_one_device(schedule, m, chunks):
+    from mpedu.data import Corpus, load_corpus
+    from mpedu.train import train
+    corpus = load_corpus()
+    little = Corpus(corpus.vocab, corpus.train[:150], corpus.valid[:30], corpus.test[:30], name="little")
+    windows = StreamIterator(little.train, 16, 35)
+    assert windows.inputs.shape[0] % 35, "the test needs a shorter last window"
+    runs = []
+    for pipelined_run in (False, True):
+        torch.manual_seed(0)
+        model = LSTMLM.from_config("tiny", vocab_size=len(little.vocab), dropout=0.3)
+        runner = Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", schedule, micro_batches=m,
+                          chunks=chunks) if pipelined_run else SingleDevice(model)
+        try:
+            history = train(model, little, runner=runner, epochs=1, batch_size=16, lr=5.0, seed=4, bptt=35,
+                            progress=False, log=lambda *a: None)
+        finally:
+            runner.close()
+        runs.append((history, model))
+    (h_one, m_one), (h_pipe, m_pipe) = runs
+    for key in ("train_ppl", "valid_ppl"):
+        assert h_pipe.epochs[0][key] == pytest.approx(h_one.epochs[0][key], rel=1e-5), key
+    assert h_pipe.test_ppl == pytest.approx(h_one.test_ppl, rel=1e-5)
+    for (name, a), b in zip(m_one.state_dict().items(), m_pipe.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
