@@ -132,8 +132,8 @@ def _cores_now(cores: float | None, needs_cores: float) -> float | None:
     """The free cores given, or measured now when a claim needs them and none were given."""
     if needs_cores > 0 and cores is None:
         from .profile import measure_cores
-        return measure_cores(2)
-    return cores
+        cores = measure_cores(2)
+    return None if cores is None else round(cores, 2)     # judged as printed: 1.7999 is not "1.80 >= 1.80"
 
 
 def compare(claim: str, times: Mapping[str, float | Sequence[float]], faster: str, slower: str,
@@ -178,3 +178,84 @@ def within(claim: str, predicted: float, measured: float | Sequence[float], tole
     held = None if needs_cores > 0 and cores < needs_cores else abs(ratio - 1) <= tolerance
     return Verdict(claim, held, "predicted", "measured", predicted, m, ratio, 1.0, cores, needs_cores, unit,
                    len(values), tolerance)
+
+
+# -- what a link costs a placement: measured on virtual devices, predicted by the simulator --------
+
+@dataclass
+class PlacementRun:
+    """One placement's steps on an emulated link: measured (runs taken in turn) and predicted."""
+
+    placement: object               # the Placement
+    times: list                     # measured step times (timeline makespans, seconds), one per round
+    timeline: object                # the measured step's Timeline with the median time
+    predicted: object               # simulate(...)'s Timeline with the profiled costs and the same link
+
+    @property
+    def measured(self) -> float:
+        """Median measured step time (seconds)."""
+        return statistics.median(self.times)
+
+    @property
+    def error(self) -> float:
+        """predicted / measured - 1: +0.05 means the simulator says 5% slower than measured."""
+        return self.predicted.makespan / self.measured - 1
+
+
+def measure_placements(model, batch, placements, link, schedule: str = "gpipe", micro_batches: int = 4,
+                       rounds: int = 5, warmup: int = 1, costs=None, cores: float | None = None) -> dict:
+    """Train steps of each placement on virtual devices joined by `link`, taking turns, and predict each.
+
+        runs = measure_placements(model, batch, {"contiguous": "embed,lstm0-1:vgpu0 | lstm2-3,decode:vgpu1",
+                                                 "alternating": "embed,lstm0,lstm2:vgpu0 | lstm1,lstm3,decode:vgpu1"},
+                                  "10gbe/100")
+        runs["alternating"].measured / runs["contiguous"].measured     # what the cuts cost
+        runs["alternating"].error                                       # the simulator's error
+
+    placements: {label: Placement or placement string}. The step time is the
+    timeline's makespan; rounds go A B, B A, ... (mpedu.claims.in_turn). The
+    prediction uses per-layer `costs` (profiled here on vgpu:0 if not given) and
+    the same link; `cores` (free cores, e.g. measure_cores(2)) as in simulate.
+    Only gradients are computed (no update); the model's .grad is cleared after.
+    Returns {label: PlacementRun}.
+    """
+    from .pipeline import Pipeline
+    from .placement import Placement
+    from .profile import profile
+    from .simulate import simulate
+    from .link import Link
+    link = Link.parse(link)
+    plans = {label: p if isinstance(p, Placement) else Placement.parse(p, model) for label, p in placements.items()}
+    if costs is None:
+        costs = profile(model, batch, "vgpu:0", micro_batches=micro_batches)
+    pipes = {label: Pipeline(model, p, schedule, micro_batches, link=link) for label, p in plans.items()}
+    results: dict = {label: [] for label in pipes}
+
+    def step(label):
+        def run():
+            model.zero_grad(set_to_none=True)
+            result = pipes[label].train_step(batch)
+            results[label].append(result.timeline)
+            return result
+        return run
+
+    try:
+        times = in_turn({label: step(label) for label in pipes}, rounds=rounds, warmup=warmup,
+                        seconds=lambda r: r.timeline.makespan)
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+        model.zero_grad(set_to_none=True)
+    runs = {}
+    for label, pipe in pipes.items():
+        measured = sorted(results[label][warmup:], key=lambda t: t.makespan)
+        predicted = simulate(pipe.schedule, costs, plans[label], link=link, cores=cores)
+        runs[label] = PlacementRun(plans[label], times[label], measured[len(measured) // 2], predicted)
+    return runs
+
+
+# The experiment of notebook 04 and bench/claims.py: the `small` model with 4 LSTM layers, one
+# (35, 32) batch, GPipe with 4 micro-batches; neighbouring layers together, or alternating.
+NEIGHBOURS = {"contiguous": "embed,lstm0-1:vgpu0 | lstm2-3,decode:vgpu1",
+              "alternating": "embed,lstm0,lstm2:vgpu0 | lstm1,lstm3,decode:vgpu1"}
+SLOW_LINK = "10gbe/100"   # 10 Gb Ethernet slowed 100x: a GPU's compute-to-communication ratio on CPU cores

@@ -15,7 +15,8 @@ import torch
 from conftest import make_batch, reference, tiny_model
 from mpedu.__main__ import main
 from mpedu.devices import Device
-from mpedu.link import LINKS, NEIGHBOURS, Channel, Link, measure_placements
+from mpedu.claims import NEIGHBOURS, measure_placements
+from mpedu.link import LINKS, Channel, Link
 from mpedu.pipeline import Pipeline, _Mailbox
 from mpedu.profile import StageCost
 from mpedu.simulate import simulate
