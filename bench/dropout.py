@@ -29,7 +29,7 @@ from mpedu import dropout  # noqa: E402
 from mpedu.dropout import Position, PositionalDropout  # noqa: E402
 from mpedu.model import LSTMLM  # noqa: E402
 from mpedu.profile import measure_cores  # noqa: E402
-from mpedu.train import SingleDevice  # noqa: E402
+from mpedu.single import SingleDevice  # noqa: E402
 
 
 def with_torch_dropout(model: LSTMLM) -> LSTMLM:

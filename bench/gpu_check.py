@@ -184,13 +184,14 @@ def race_probe(check: Check, placement: str, ordered: bool = True, steps: int = 
     default stream before each optimizer step. ordered=False runs the pipeline without its
     ordering of the workers' streams after the caller's (the defect), to show the probe bites."""
     import mpedu.pipeline as pipeline
+    from mpedu import streams
     from mpedu.model import LSTMLM
     batch, vocab = first_batch()
     torch.manual_seed(0)
     model = LSTMLM.from_config("tiny", vocab, num_layers=3, dropout=0.0)
-    original = pipeline._after
+    original = streams.after
     if not ordered:
-        pipeline._after = lambda caller_stream, job: job
+        streams.after = lambda caller_stream, job: job
     try:
         with pipeline.Pipeline(model, placement, "1f1b", micro_batches=4) as pipe:
             optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -206,7 +207,7 @@ def race_probe(check: Check, placement: str, ordered: bool = True, steps: int = 
                 optimizer.step()
             weights = {n: p.detach().cpu() for n, p in model.named_parameters()}
     finally:
-        pipeline._after = original
+        streams.after = original
     return losses, weights
 
 

@@ -1,6 +1,7 @@
 """mpedu: learn model-parallel training of a stacked LSTM language model, step by step."""
 from .balance import balance, balance_by_params, balance_by_time
 from .bucketing import Batch, BucketIterator, StreamIterator
+from .checkpoint import load_model
 from .data import Corpus, Vocabulary, load_corpus
 from .devices import Device, describe_devices, get_device, get_devices, list_devices
 from .link import Link
@@ -8,17 +9,20 @@ from .memory import memory_report
 from .model import LSTMLM
 from .pipeline import Pipeline
 from .placement import Placement
+from .planner import plan
 from .profile import Costs, profile
 from .schedules import Action, Schedule
 from .simulate import simulate
+from .single import SingleDevice
 from .timeline import Event, Timeline, plot_timelines
-from .train import SingleDevice, train
+from .training import train
 
 __all__ = [
     "Action", "Batch", "BucketIterator", "Corpus", "Costs", "Device", "Event", "LSTMLM", "Link", "Pipeline",
     "Placement", "Schedule", "SingleDevice", "StreamIterator", "Timeline", "Vocabulary", "balance",
     "balance_by_params", "balance_by_time", "describe_devices", "get_device", "get_devices", "list_devices",
-    "load_corpus", "memory_report", "plot_timelines", "profile", "simulate", "train",
+    "load_corpus", "load_model", "memory_report", "plan", "plot_timelines", "profile", "simulate",
+    "train",
 ]
 __version__ = "0.1.0"
 

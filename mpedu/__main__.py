@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -10,10 +9,12 @@ from pathlib import Path
 import torch
 
 from .files import why
-from .link import LINKS, Link, format_bandwidth, format_seconds
-from .model import CONFIGS
-from .recipes import RECIPES, recipe_for
-from .train import CHECKPOINT_EVERY, CONFIG, SingleDevice, train
+from .footprint import parse_recompute
+from .options import (add_training_options, apply_recipe, count, join_dash_values, json_line, link_help,
+                      parse_link, parse_memory_cap, positive_int, shorten)
+from .recipes import RECIPES
+from .single import SingleDevice
+from .training import CHECKPOINT_EVERY, train
 
 EXAMPLES = """\
 examples:
@@ -35,111 +36,6 @@ learning rate and recipes:
 """ + "".join(f"  {name:<7} {recipe.describe()}\n" for name, recipe in RECIPES.items())
 
 
-def _whole(text: str, minimum: int, maximum: int = 2**63) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if not minimum <= value < maximum:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}"
-                                         + (f" and < {maximum}" if maximum < 2**63 else "") + f", got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    return _whole(text, 1)
-
-
-def _count(text: str) -> int:
-    return _whole(text, 0)
-
-
-def _number(text: str, minimum: float, strict: bool) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
-        raise argparse.ArgumentTypeError(f"expected a finite number {'>' if strict else '>='} {minimum:g}, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    return _number(text, 0.0, strict=True)
-
-
-def _non_negative_float(text: str) -> float:
-    return _number(text, 0.0, strict=False)
-
-
-def _memory_cap(text: str):
-    """'2MB' for every device, or 'vgpu:0=2MB,vgpu:1=4MB' per device; sizes checked by parse_size."""
-    from .devices import parse_size
-    try:
-        if "=" not in text:
-            parse_size(text)
-            return text
-        caps = {}
-        for item in text.split(","):
-            device, _, size = item.partition("=")
-            if not device.strip():
-                raise ValueError(f"{shorten(item)!r} names no device; write DEVICE=SIZE, e.g. vgpu:0=2MB")
-            parse_size(size)
-            if device.strip() in caps:
-                raise ValueError(f"--memory-cap gives {shorten(device.strip())} twice ({caps[device.strip()]} and "
-                                 f"{size}); give each device one cap")
-            caps[device.strip()] = size
-        return caps
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _link(text: str):
-    """A Link from --link text (a preset, PRESET/FACTOR, or LATENCY,BANDWIDTH), checked by Link.parse."""
-    try:
-        return Link.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _link_help() -> str:
-    presets = ", ".join(f"{name} ({format_seconds(k.latency_s)}, {format_bandwidth(k.bandwidth_Bps)})"
-                        for name, k in LINKS.items())
-    return ("emulate the interconnect between virtual devices for real: a transfer of n bytes reaches the "
-            f"other device latency + n / bandwidth after it is sent (the receiver waits). Presets: {presets}; "
-            "shared is the default and adds no delay. PRESET/FACTOR is a link FACTOR times slower (latency x "
-            "FACTOR, bandwidth / FACTOR): a CPU core computes these layers about 100x slower than a GPU, so "
-            "10gbe/100 gives virtual devices the compute-to-communication ratio of GPUs on 10 Gb Ethernet. "
-            "Or LATENCY,BANDWIDTH, e.g. 5ms,10MB/s. Virtual devices only: GPUs copy for real")
-
-
-def add_training_options(parser: argparse.ArgumentParser, clip_over: str) -> None:
-    """The options every `train` command takes (here and under torchrun), with the same checks."""
-    parser.add_argument("--data", metavar="DIR", help="folder with ptb.train.txt, ptb.valid.txt and ptb.test.txt "
-                        "(default: the embedded synthetic corpus)")
-    # --epochs, --batch-size, --lr and --clip default to None: the --config's recipe fills them
-    # (apply_recipe), so that what the user gave can be told apart and wins.
-    tiny = recipe_for(CONFIG)
-    parser.add_argument("--config", choices=list(CONFIGS), default=CONFIG,
-                        help=f"model size, and the recipe it is trained with (default: {CONFIG})")
-    parser.add_argument("--epochs", type=_positive_int, help=f"default: the recipe's ({CONFIG}: {tiny.epochs})")
-    parser.add_argument("--batch-size", type=_positive_int, metavar="B",
-                        help=f"sentences (or stream columns) per batch (default: the recipe's; {CONFIG}: "
-                             f"{tiny.batch_size})")
-    parser.add_argument("--lr", type=_positive_float,
-                        help=f"SGD learning rate for a loss that is the mean NLL per token (a paper's lr for a "
-                             f"loss summed over T time steps is about lr x T here); decayed by the recipe's rule "
-                             f"(default: the recipe's; {CONFIG}: {tiny.lr:g}, halved when validation "
-                             f"perplexity gains < 1). Given on --resume, it replaces the checkpoint's")
-    parser.add_argument("--clip", type=_non_negative_float,
-                        help=f"norm clip over {clip_over}, 0 for none (default: the recipe's; {CONFIG}: "
-                             f"{tiny.clip:g})")
-    parser.add_argument("--seed", type=_count, default=0,
-                        help="fixes the run: initialisation, data order and dropout masks, which depend on "
-                             "(seed, step, layer, position) only, so every placement and schedule draws the "
-                             "same (default: 0)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpedu", description="Model-parallel (pipeline) training of a stacked LSTM language model. "
@@ -150,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                             epilog=EXAMPLES + LR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                             description="Train, print one line per epoch, save checkpoint.pt and model.pt in --out.")
     add_training_options(t, clip_over="the gradients")
-    t.add_argument("--bptt", type=_count, metavar="T",
+    t.add_argument("--bptt", type=count, metavar="T",
                    help="stream mode: cut the text into T-step chunks and carry the LSTM state across batches; "
                         "0: bucketed sentences (default: the recipe's; tiny: bucketed)")
     t.add_argument("--out", default="runs/latest", metavar="DIR",
@@ -158,20 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt, mid-epoch if need be "
                    "(on any placement or device count); bit for bit with the same micro-batches and chunks, "
                    "dropout included, else to float rounding")
-    t.add_argument("--checkpoint-every", type=_count, default=CHECKPOINT_EVERY, metavar="N",
+    t.add_argument("--checkpoint-every", type=count, default=CHECKPOINT_EVERY, metavar="N",
                    help=f"write DIR/checkpoint.pt every N batches, and at each epoch end; 0: only at epoch "
                         f"ends (default: {CHECKPOINT_EVERY})")
     t.add_argument("--skip-bad-batches", action="store_true",
                    help="skip a batch whose loss or gradient is NaN or inf (counted in the summary) instead "
                         "of stopping")
-    t.add_argument("--limit-batches", type=_positive_int, metavar="N",
+    t.add_argument("--limit-batches", type=positive_int, metavar="N",
                    help="use only the first N batches of each split per epoch: a quick smoke test, "
                         "whose perplexities describe those batches only")
     t.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     t.add_argument("--no-progress", action="store_true", help="no progress bars (they go to stderr)")
     pipe = t.add_argument_group("pipeline")
     where = pipe.add_mutually_exclusive_group()
-    where.add_argument("--devices", type=_positive_int, default=2, metavar="N",
+    where.add_argument("--devices", type=positive_int, default=2, metavar="N",
                        help="split the layers evenly over N devices (vgpu:0.. on CPU); 1 = the single-device "
                             "reference runner (default: 2)")
     where.add_argument("--placement", metavar="STR",
@@ -180,12 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="pipeline schedule: naive, gpipe, 1f1b, interleaved, zb1, wavefront (default: gpipe)")
     pipe.add_argument("--micro-batches", type=int, default=4, metavar="M",   # checked by the schedule: exit 2
                       help="micro-batches per batch, at most --batch-size (default: 4)")
-    pipe.add_argument("--chunks", type=_positive_int, default=1, metavar="C",
+    pipe.add_argument("--chunks", type=positive_int, default=1, metavar="C",
                       help="time chunks per sequence, for --schedule wavefront (default: 1)")
-    pipe.add_argument("--memory-cap", type=_memory_cap, metavar="SIZE",
+    pipe.add_argument("--memory-cap", type=parse_memory_cap, metavar="SIZE",
                       help="memory each device may use, e.g. 2MB, or per device: vgpu:0=2MB,vgpu:1=4MB; a "
                            "placement that needs more stops before the first step and names one that fits")
-    pipe.add_argument("--link", type=_link, metavar="LINK", help=_link_help())
+    pipe.add_argument("--link", type=parse_link, metavar="LINK", help=link_help())
+    pipe.add_argument("--recompute", type=_recompute, metavar="MODE",
+                      help="activation recomputation: none, all, all-but-last (every micro-batch but the last), "
+                           "or per stage, e.g. 0=all,1=none: keep only each stage's input and run its forward "
+                           "again before the backward (less memory, more time; default: none)")
 
     c = commands.add_parser("corpus", help="write the embedded corpus as ptb.{train,valid,test}.txt",
                             description="Write the embedded synthetic corpus in PTB format (one sentence per line).")
@@ -194,55 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _recompute(text: str):
+    try:
+        return parse_recompute(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _error(message: str, code: int = 2) -> int:
     print(f"mpedu: error: {shorten(message, 2000)}", file=sys.stderr)
     return code
-
-
-def shorten(text: str, limit: int = 60) -> str:
-    """`text` whole if short, else its start and how long it was: an error never echoes a 10,000-character value."""
-    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text):,} characters)"
-
-
-def apply_recipe(args, log=print):
-    """Fill the training options the user did not give from the --config's recipe; return the recipe.
-
-    Prints which recipe is used and which of its values the user's options replaced. For a
-    parser without --bptt (torchrun: stream mode is not offered there) the recipe's bptt is dropped."""
-    recipe = recipe_for(args.config)
-    names = {"epochs": "epochs", "batch_size": "batch-size", "lr": "lr", "clip": "clip", "bptt": "bptt"}
-    given = []
-    args.given = {key for key in names if getattr(args, key, None) is not None}
-    for key, flag in names.items():
-        if not hasattr(args, key):
-            continue
-        if getattr(args, key) is None:
-            setattr(args, key, getattr(recipe, key))
-        elif getattr(args, key) != getattr(recipe, key) and not (key == "bptt" and args.bptt == 0 and not recipe.bptt):
-            given.append(f"--{flag} {getattr(args, key):g}")
-    if hasattr(args, "bptt"):
-        args.bptt = args.bptt or None             # --bptt 0: bucketed sentences
-    log(f"recipe {args.config!r}: {recipe.describe()}" + (f"; given: {', '.join(given)}" if given else ""))
-    if recipe.bptt and not hasattr(args, "bptt"):
-        log(f"note: the recipe's stream mode (bptt {recipe.bptt}) is not offered here; batches are bucketed "
-            "sentences, so its lr may need lowering")
-    return recipe
-
-
-def _finite_or_null(value):
-    """JSON has no inf or NaN: a figure that is not finite is written as null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_null(v) for v in value]
-    return value
-
-
-def json_line(summary: dict) -> str:
-    """The --json summary: strict JSON (non-finite figures are null)."""
-    return json.dumps(_finite_or_null(summary), allow_nan=False)
 
 
 def diverged(summary: dict, recipe_lr: float) -> str | None:
@@ -263,6 +124,8 @@ def build_runner(model, args):
         if args.memory_cap is not None:
             raise ValueError("--memory-cap applies to pipeline devices; use --devices 2 or more, or a "
                              "--placement (one device: --placement 'embed,...,decode:vgpu0')")
+        if args.recompute is not None:
+            raise ValueError("--recompute applies to pipeline stages; use --devices 2 or more, or a --placement")
         if args.link is not None and args.link.emulated:
             raise ValueError(f"--link {args.link.name} joins pipeline devices, and --devices 1 has no transfer; "
                              "use --devices 2 or more, or a --placement")
@@ -275,7 +138,7 @@ def build_runner(model, args):
     else:
         placement = Placement.even(model, get_devices(args.devices))
     return Pipeline(model, placement, schedule=args.schedule, micro_batches=args.micro_batches, chunks=args.chunks,
-                    memory_cap=args.memory_cap, link=args.link)
+                    memory_cap=args.memory_cap, link=args.link, recompute=args.recompute)
 
 
 def run_train(args) -> int:
@@ -373,33 +236,6 @@ def run_corpus(args) -> int:
         return _error(f"cannot write the corpus to {args.out}: {e.strerror or e}")
     print(f"wrote the embedded corpus (seed {args.seed}) to {path}")
     return 0
-
-
-def join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """`--memory-cap -5MB` -> `--memory-cap=-5MB`: argparse takes a word that starts with '-' (and is not
-    a plain negative number) for an option, and says "expected one argument"; joined, the option's
-    own check names the bad value."""
-    takes_value = {flag for action in _all_actions(parser) if action.option_strings and action.nargs is None
-                   for flag in action.option_strings}
-    joined, i = [], 0
-    while i < len(argv):
-        word = argv[i]
-        if word in takes_value and i + 1 < len(argv) and argv[i + 1][:1] == "-" and argv[i + 1][1:2] not in ("", "-") \
-                and argv[i + 1] not in takes_value:
-            joined.append(f"{word}={argv[i + 1]}")
-            i += 2
-        else:
-            joined.append(word)
-            i += 1
-    return joined
-
-
-def _all_actions(parser):
-    for action in parser._actions:
-        yield action
-        for sub in getattr(action, "choices", None) or {}:
-            if isinstance(action.choices, dict) and isinstance(action.choices[sub], argparse.ArgumentParser):
-                yield from _all_actions(action.choices[sub])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from . import schedules
 from .devices import get_device, get_devices
+from .footprint import recompute_modes, stage_footprint
 from .placement import Placement
 from .profile import Costs, profile
 
@@ -134,22 +136,43 @@ def to_placement(model, counts: Sequence[int], devices) -> Placement:
 
 
 def balance_by_time(model, batch, devices, micro_batches: int = 1, memory_cap: float | None = None,
-                    costs: Costs | None = None, **profile_args) -> Placement:
+                    costs: Costs | None = None, schedule: str = "gpipe", recompute=None,
+                    optimizer_bytes_per_param: float = 0.0, **profile_args) -> Placement:
     """Profile every layer (forward + backward of one micro-batch) on the first device, then
-    split for the smallest slowest stage. With `memory_cap` (bytes per device) a layer
-    weighs its weights and their gradients plus the activations of all `micro_batches`
-    (GPipe's peak: every micro-batch is in flight before the first backward).
+    split for the smallest slowest stage. With `memory_cap` (bytes per device) a stage must fit
+    its footprint (mpedu.footprint: weights, gradients, optimizer state, and the activations
+    `schedule` holds at its peak over `micro_batches`, with `recompute`) under the cap.
     """
     devs = _devices(devices)
     _refuse_tied(model, len(devs))
     if costs is None:
         costs = profile(model, batch, devs[0], micro_batches=micro_batches, **profile_args)
     time_per_layer = [f + b for f, b in zip(costs.forward, costs.backward)]
-    memory = None
-    if memory_cap is not None:
-        memory = [2 * w + micro_batches * a for w, a in zip(costs.param_bytes, costs.activation_bytes)]
-    counts = balance(time_per_layer, len(devs), memory, memory_cap, names=costs.names)
-    return to_placement(model, counts, devs)
+    if memory_cap is None:
+        return to_placement(model, balance(time_per_layer, len(devs), names=costs.names), devs)
+    _check(time_per_layer, "costs_per_layer", costs.names)
+    p, n = len(devs), len(costs.names)
+    if p > n:
+        raise ValueError(f"{p} devices but only {n} layers: every device needs at least one layer; use p <= {n}")
+    plan = schedules.make(schedule, list(range(p)), micro_batches)
+    mode = recompute_modes(recompute, p)
+
+    def need(i, j, k) -> float:               # bytes of layers i..j-1 as stage k
+        stage = costs.stages([costs.names[i:j]])[0]
+        return stage_footprint(stage, plan.actions[k], k, mode[k], micro_batches, 1, plan.split_backward,
+                               optimizer_bytes_per_param=optimizer_bytes_per_param).total
+
+    S = [0.0]
+    for t in time_per_layer:
+        S.append(S[-1] + t)
+    found = min_max_split(n, p, lambda i, j, k: float("inf") if _over(need(i, j, k), memory_cap) else S[j] - S[i])
+    if found is None:
+        smallest = min_max_split(n, p, need)[0]
+        raise ValueError(f"no split of {n} layers over {p} devices keeps every device within "
+                         f"memory_cap={_size(memory_cap)} under {schedule} with {micro_batches} micro-batches: "
+                         f"the smallest cap that fits is {_size(smallest)}; raise the cap, use more devices, "
+                         "or recompute activations (recompute='all')")
+    return to_placement(model, found[1], devs)
 
 
 def balance_by_params(model, devices) -> Placement:

@@ -1,98 +1,71 @@
-"""Will it fit? The memory a placement and schedule need per device, checked against caps before a step."""
+"""Will it fit? The memory a placement and schedule need per device (mpedu.footprint), checked before a step."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
-from . import schedules
-from .devices import Device, format_size, get_device, list_devices, parse_size
-from .memory import GPU_LEAVES_OUT, measured_peak
+from . import dropout, schedules
 from .balance import min_max_split
+from .devices import Device, format_size, get_device, list_devices, parse_size
+from .footprint import Footprint, param_sizes, recompute_modes, stage_footprint
+from .memory import GPU_LEAVES_OUT, measured_peak
 from .placement import Placement
+from .profile import Costs
 from .schedules import Action, Schedule
-from .train import check_batch
 
 
 class MemoryCapError(ValueError):
     """A step would need more memory on a device than its memory_cap; the message says what fits."""
 
 
-def memory_estimate(pipe, batch) -> list["DeviceNeed"]:
-    """What each device needs for one training step on batches of this shape, in bytes:
-    its parameters, their gradients, and the activations autograd saves for backward of
-    the micro-batches (and time chunks) the schedule holds at once on that device.
+def layer_sizes(stages, micro, chunk_bounds, model) -> Costs:
+    """The bytes of every layer for mpedu.footprint, from a dry run of the stages' forwards (on their own
+    devices) on one micro-batch `micro`, cut to its longest time chunk: a Costs with no times.
 
-    The activations of one micro-batch come from a dry run of its forward with
-    saved-tensor hooks (the counting a training step records in its timeline), made
-    once per bucket shape. Not counted: optimizer state (the pipeline never sees the
-    optimizer; plain SGD keeps none) and short-lived buffers inside an op.
+    Scaled to the whole sequence (footprint gives a unit 1/chunks of it), so a unit weighs what
+    the longest chunk saves. Counted as a training step counts them (Stage's saved-tensor hooks):
+    not the weights, nor the step's token ids and targets.
     """
-    check_batch(batch, pipe.model.vocab_size)
-    plan = pipe._plan(batch)
-    return _needs(pipe, pipe.placement.stages, pipe.schedule, _layer_storages(pipe, batch, plan))
+    lo, hi = max(chunk_bounds, key=lambda b: b[1] - b[0])
+    c = len(chunk_bounds)
+    held, storages, outputs, input_saved = [], [], [], []
+    cuda = sorted({s.device.torch_device.index or 0 for s in stages if s.device.is_cuda})
+    # the dry run must not move the generators a real step (dropout) draws from; its dropout is positional,
+    # as in a step (bool masks, where torch's own dropout would save float ones)
+    with torch.random.fork_rng(devices=cuda), dropout.at(dropout.Position(0, 0)):
+        x = micro.inputs[lo:hi]
+        for stage in stages:
+            dev = stage.device.torch_device
+            targets = micro.targets[lo:hi].to(dev) if stage.is_last else None
+            out, per_layer, out_bytes, in_saved = stage.measure(x.to(dev), targets)
+            held.append(out)    # keep every graph alive: no address is reused while counting
+            storages += per_layer
+            outputs += out_bytes
+            input_saved += in_saved
+            x = out.detach()
+    del held
+    names = [name for stage in stages for name in stage.names]
+    shared = [0] + [sum(n for ptr, n in storages[k].items() if ptr in storages[k - 1]) for k in range(1, len(names))]
+    params, trainable = param_sizes(model, names)
+    zeros = [0.0] * len(names)
+    return Costs(names, zeros, zeros, zeros, zeros, [sum(s.values()) * c for s in storages],
+                 [b * c for b in outputs], params, [b * c for b in shared],
+                 micro_batch=(hi - lo, micro.inputs.shape[1]), device=stages[0].device.name,
+                 trainable_bytes=trainable, input_saved_bytes=[b * c for b in input_saved])
 
 
-def _layer_storages(pipe, batch, plan) -> dict[str, dict[int, int]]:
-    """Per layer, the storages saved for backward by one (micro-batch, chunk) unit: {address: bytes}."""
-    if plan.layer_storages is None:
-        micro = batch.split(pipe.micro_batches)[0]
-        lo, hi = max(plan.chunk_bounds, key=lambda b: b[1] - b[0])     # the longest time chunk
-        held, storages = [], {}
-        cuda = sorted({d.torch_device.index or 0 for d in pipe.devices if d.is_cuda})
-        # the dry run must not move the generators a real step (dropout) draws from
-        with torch.random.fork_rng(devices=cuda):
-            x = micro.inputs[lo:hi]
-            for stage in pipe.stages:
-                dev = stage.device.torch_device
-                targets = micro.targets[lo:hi].to(dev) if stage.is_last else None
-                out, per_layer = stage.measure(x.to(dev), targets)
-                held.append(out)    # keep every graph alive: no address is reused while counting
-                storages.update(zip(stage.names, per_layer))
-                x = out.detach()
-        del held
-        plan.layer_storages = storages
-    return plan.layer_storages
-
-
-def _needs(pipe, stages, schedule: Schedule, storages: dict) -> list["DeviceNeed"]:
-    """DeviceNeed per device for `stages` [(device, layer names)] run by `schedule`."""
-    devices = list(dict.fromkeys(dev for dev, _ in stages))
-    fixed = {dev: [0, 0] for dev in devices}          # parameters, gradients
-    seen: set[int] = set()
-    for dev, names in stages:
-        for name in names:
-            for p in pipe.model.layers[name].parameters():
-                if id(p) not in seen:                   # tied weights: one tensor, counted once
-                    seen.add(id(p))
-                    fixed[dev][0] += p.numel() * p.element_size()
-                    fixed[dev][1] += p.numel() * p.element_size() if p.requires_grad else 0
-    per_unit = [_union_bytes(storages[name] for name in names) for _, names in stages]
-    needs = []
-    for d, (dev, row) in enumerate(zip(devices, schedule.actions)):
-        held = units = peak = peak_units = 0
-        for a in row:
-            if a.kind == "F":
-                held, units = held + per_unit[a.stage], units + 1
-                peak, peak_units = max(peak, held), max(peak_units, units)
-            elif a.kind == "W" or a.stage not in schedule.split_backward:   # what frees the unit
-                held, units = held - per_unit[a.stage], units - 1
-        needs.append(DeviceNeed(dev.name, *fixed[dev], peak, peak_units, pipe.memory_cap.get(dev.name)))
-    return needs
-
-
-def check_memory(pipe, batch, plan) -> None:
-    needs = memory_estimate(pipe, batch)
-    over = [n for n in needs if not n.fits]
+def check_memory(footprints: list[Footprint], sizes: Costs, placement: Placement, schedule: Schedule,
+                 recompute, caps: dict, shape: tuple[int, int]) -> None:
+    """Raise MemoryCapError when a device's footprint is over its cap, naming a placement that fits."""
+    over = [n for n in footprints if not n.fits]
     if not over:
-        plan.memory_checked = True
         return
-    what = (f"a training step on batches of T={plan.T}, B={plan.B} ({pipe.schedule.name}, "
-            f"{pipe.micro_batches} micro-batches" + (f", {pipe.chunks} time chunks" if pipe.chunks > 1 else "")
-            + ")")
+    T, B = shape
+    m, chunks = schedule.micro_batches, schedule.chunks
+    what = (f"a training step on batches of T={T}, B={B} ({schedule.name}, {m} micro-batches"
+            + (f", {chunks} time chunks" if chunks > 1 else "") + ")")
     lines = [f"{n.device} needs {format_size(n.total)} for {what}: {n.parts()}; more than its memory_cap "
              f"{format_size(n.cap)}." + gpu_measured(n.device) for n in over]
-    raise MemoryCapError(" ".join(lines) + " " + _what_fits(pipe, plan))
+    raise MemoryCapError(" ".join(lines) + " " + _what_fits(sizes, placement, schedule, recompute, caps))
 
 
 def gpu_measured(device: str) -> str:
@@ -103,117 +76,87 @@ def gpu_measured(device: str) -> str:
     return f" Measured on {device} so far: a peak of {format_size(peak)} allocated; {GPU_LEAVES_OUT}."
 
 
-def _what_fits(pipe, plan) -> str:
+
+def _what_fits(sizes: Costs, placement: Placement, schedule: Schedule, recompute, caps: dict) -> str:
     """A placement that fits the caps (over these devices, else over more), or why none does."""
-    names, storages = pipe.model.layer_names, plan.layer_storages
-    p, n = len(pipe.devices), len(names)
-    caps = [pipe.memory_cap.get(d.name) for d in pipe.devices]
-    smallest = min(c for c in caps if c is not None)
+    names, devices_now = sizes.names, placement.devices
+    p, n = len(devices_now), len(names)
+    m, chunks = schedule.micro_batches, schedule.chunks
+    smallest = min(caps[d.name] for d in devices_now if d.name in caps)
+    modes = recompute_modes(recompute, len(placement.stages))
+    mode = modes[0] if len(set(modes)) == 1 else None      # a per-stage choice does not carry over to new stages
 
-    def need(i, j, device, units) -> DeviceNeed:     # one stage, layers i..j-1
-        return _needs(pipe, [(device, names[i:j])], _one_row(units), storages)[0]
+    def need(i, j, device, k, rows) -> Footprint:     # layers i..j-1 as stage k, running rows[k]
+        return stage_footprint(sizes.stages([names[i:j]])[0], rows[k], k, mode, m, chunks, split, device.name)
 
+    rows, split = _rows_per_stage(schedule, p)
     for q in range(p, n + 1):
-        devices = _devices_for(pipe, q)
+        devices = _devices_for(devices_now, q)
         if devices is None:
             return (f"No placement over {p} devices fits, and this machine offers too few devices of "
-                    f"this kind to spread the layers further; raise the cap." + _fewer_in_flight_hint(pipe))
-        units, limits = _units_per_stage(pipe, q), caps + [smallest] * (q - p)
+                    f"this kind to spread the layers further; raise the cap." + _hints(schedule, p, modes))
+        rows, split = _rows_per_stage(schedule, q)
+        limits = [caps.get(d.name) for d in devices_now] + [smallest] * (q - p)
         found = min_max_split(n, q, lambda i, j, k: (
-            need(i, j, devices[k], units[k]).total / limits[k] if limits[k] else 0.0))
+            need(i, j, devices[k], k, rows).total / limits[k] if limits[k] else 0.0))
         if found is None or found[0] > 1.0:      # some device would hold more than its cap
             continue
         counts = found[1]
         starts = [sum(counts[:k]) for k in range(q)]
         fits = Placement(names, {name: devices[k] for k in range(q)
                                  for name in names[starts[k]:starts[k] + counts[k]]})
-        totals = ", ".join(f"{devices[k]} {format_size(need(starts[k], starts[k] + counts[k], devices[k], units[k]).total)}"
-                           for k in range(q))
+        totals = ", ".join(
+            f"{devices[k]} {format_size(need(starts[k], starts[k] + counts[k], devices[k], k, rows).total)}"
+            for k in range(q))
         where = "A placement that fits" if q == p else (
             f"No placement over these {p} devices fits; over {q} devices with {format_size(smallest)} each, one does")
-        return f"{where}: '{fits}' (needs {totals})." + _fewer_in_flight_hint(pipe)
-    worst = max(range(n), key=lambda i: need(i, i + 1, pipe.devices[0], units[0]).total)
+        return f"{where}: '{fits}' (needs {totals})." + _hints(schedule, p, modes)
+    worst = max(range(n), key=lambda i: need(i, i + 1, devices_now[0], 0, rows).total)
+    alone = need(worst, worst + 1, devices_now[0], 0, rows)
     return (f"No placement fits, even one layer per device: {names[worst]} alone needs "
-            f"{format_size(need(worst, worst + 1, pipe.devices[0], units[0]).total)} with {units[0]} "
+            f"{format_size(alone.total)} with {alone.in_flight} "
             f"micro-batches in flight; raise the cap, or use smaller batches or shorter buckets."
-            + _fewer_in_flight_hint(pipe))
+            + _hints(schedule, p, modes))
 
 
-def _fewer_in_flight_hint(pipe) -> str:
-    p = len(pipe.devices)
-    if pipe.schedule.name == "gpipe" and pipe.micro_batches > p:
-        return (f" Or hold fewer micro-batches at once: 1f1b keeps at most {p} per device where gpipe "
-                f"keeps all {pipe.micro_batches}.")
-    return ""
+def _hints(schedule: Schedule, p: int, modes: list) -> str:
+    """Other ways to hold fewer activations: a schedule with fewer micro-batches in flight, recomputation."""
+    hint = ""
+    if schedule.name == "gpipe" and schedule.micro_batches > p:
+        hint += (f" Or hold fewer micro-batches at once: 1f1b keeps at most {p} per device where gpipe "
+                 f"keeps all {schedule.micro_batches}.")
+    if all(mode is None for mode in modes) and schedule.micro_batches * schedule.chunks > 1:
+        hint += (" Or recompute activations (recompute='all', --recompute all): each stage then keeps only its "
+                 "input per micro-batch and runs its forward again before the backward.")
+    return hint
 
 
-def _devices_for(pipe, q: int) -> list[Device] | None:
-    """This pipeline's devices, then unused ones of the same kind, q in all (None: not enough)."""
-    virtual = pipe.devices[0].virtual
-    spare = [d for d in list_devices() if d.virtual == virtual and d not in pipe.devices]
-    devices = pipe.devices + spare[:q - len(pipe.devices)]
-    return devices if len(devices) == q else None
+def _devices_for(devices: list[Device], q: int) -> list[Device] | None:
+    """These devices, then unused ones of the same kind, q in all (None: not enough)."""
+    virtual = devices[0].virtual
+    spare = [d for d in list_devices() if d.virtual == virtual and d not in devices]
+    more = devices + spare[:q - len(devices)]
+    return more if len(more) == q else None
 
 
-def _units_per_stage(pipe, q: int) -> list[int]:
-    """Units each stage of a one-stage-per-device split over q devices holds at most, under this
-    schedule's kind (gpipe: every micro-batch; 1f1b: at most q - s)."""
+def _rows_per_stage(schedule: Schedule, q: int) -> tuple[list[list[Action]], set]:
+    """Per stage of a one-stage-per-device split over q devices, the actions it would run under this
+    schedule's kind (gpipe: every micro-batch before the first backward; 1f1b: at most q - s), and
+    the stages whose W frees a micro-batch."""
+    m, chunks = schedule.micro_batches, schedule.chunks
     try:
-        schedule = schedules.make(pipe.schedule.name, list(range(q)), pipe.micro_batches, pipe.chunks)
+        made = schedules.make(schedule.name, list(range(q)), m, chunks)
+        return made.actions, set(made.split_backward)
     except ValueError:                       # e.g. interleaved needs several stages per device
-        return [pipe.micro_batches * pipe.chunks] * q
-    peaks = []
-    for row in schedule.actions:
-        units = peak = 0
-        for a in row:
-            units += 1 if a.kind == "F" else -1 if (a.kind == "W" or a.stage not in schedule.split_backward) else 0
-            peak = max(peak, units)
-        peaks.append(peak)
-    return peaks
-
-
-@dataclass
-class DeviceNeed:
-    """Bytes one device needs for a training step (see Pipeline.memory_estimate)."""
-
-    device: str
-    params: int
-    grads: int
-    activations: int      # the most saved-for-backward bytes held at once
-    in_flight: int        # the most (micro-batch, chunk) units held at once
-    cap: int | None = None
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.activations
-
-    @property
-    def fits(self) -> bool:
-        return self.cap is None or self.total <= self.cap
-
-    def parts(self) -> str:
-        held = f"{self.in_flight} micro-batch{'es' if self.in_flight != 1 else ''}"
-        return (f"parameters {format_size(self.params)} + gradients {format_size(self.grads)} + activations "
-                f"{format_size(self.activations)} ({held} held at once)")
-
-    def __str__(self) -> str:
-        cap = f", cap {format_size(self.cap)}" if self.cap is not None else ""
-        return f"{self.device}: {format_size(self.total)} = {self.parts()}{cap}"
-
-
-def _union_bytes(dicts) -> int:
-    """Bytes of the distinct storages in several {address: bytes} maps (a layer's output saved
-    by the next layer too is counted once)."""
-    merged: dict[int, int] = {}
-    for d in dicts:
-        merged.update(d)
-    return sum(merged.values())
+        return [[Action(a.kind, k, a.mb) for a in _one_row(m * chunks).actions[0]] for k in range(q)], set()
 
 
 def _one_row(units: int) -> Schedule:
     """A one-device schedule that holds `units` forwards before their backwards (for estimates)."""
     row = [Action("F", 0, i) for i in range(units)] + [Action("B", 0, i) for i in range(units)]
     return Schedule("estimate", (0,), max(units, 1), [row])
+
+
 
 
 def parse_caps(memory_cap, devices: list[Device]) -> dict[str, int]:

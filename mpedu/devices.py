@@ -8,7 +8,7 @@ import os
 import queue
 import re
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -234,3 +234,19 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+def wait_uninterrupted(futures) -> None:
+    """Wait for the workers to stop even if Ctrl-C is pressed again meanwhile."""
+    while True:
+        try:
+            wait(futures)
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+def stop_workers(workers) -> None:
+    """Ask every worker to stop, without waiting (a finalizer may call this)."""
+    for worker in workers:
+        worker.stop(wait=False)

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .footprint import device_footprints, param_sizes, unique_params
+from .profile import Costs
+
 # Stacked in this order, bottom to top. Activations take the forward's colour in the Gantt
 # chart (forwards create them); the rest are Okabe-Ito colours not used there.
 PARTS = ("params", "grads", "optimizer", "peak_activations")
@@ -136,28 +139,29 @@ def memory_report(pipe, timeline, optimizer: torch.optim.Optimizer | None = None
     On a GPU the report also gives the measured peak (`measured_peak`) beside the estimate.
     """
     per_param = _optimizer_bytes(optimizer) if optimizer is not None else None
-    fixed: dict[str, list[int]] = {d.name: [0, 0, 0] for d in pipe.devices}
-    seen: set[int] = set()
-    for stage in pipe.stages:
-        sizes = fixed[stage.device.name]
-        for layer in stage.layers:
-            for p in layer.parameters():
-                if p.untyped_storage().data_ptr() in seen:   # tied weights: one tensor, counted once
-                    continue
-                seen.add(p.untyped_storage().data_ptr())
-                nbytes = p.numel() * p.element_size()
-                sizes[0] += nbytes
-                if p.requires_grad:
-                    sizes[1] += nbytes
-                    sizes[2] += per_param(p) if per_param else 0
+    model, placement = pipe.model, pipe.placement
+    # the optimizer's state per device, for each distinct weight (a tied one once: footprint.unique_params)
+    home = {name: dev.name for dev, names in placement.stages for name in names}
+    state = dict.fromkeys((d.name for d in placement.devices), 0)
+    if per_param:
+        for name, p in unique_params(model, model.layer_names):
+            if p.requires_grad:
+                state[home[name]] += per_param(p)
     note = ""
     if per_param and per_param.estimated:
         note = (f"optimizer state: {type(optimizer).__name__} has not stepped yet, so its sizes are "
                 "what its first step will create")
-    devices = [DeviceMemory(name, params, grads, opt, timeline.peak_memory(name) if name in timeline.devices else 0,
-                            timeline.memory_over_time(name) if name in timeline.devices else [],
-                            measured_peak(name))
-               for name, (params, grads, opt) in fixed.items()]
+    # weights, gradients and optimizer state from the one memory model; activations as the step measured them
+    params, trainable = param_sizes(model, model.layer_names)
+    n = len(model.layer_names)
+    sizes = Costs(model.layer_names, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0] * n, [0] * n, params, [0] * n,
+                  micro_batch=(0, 0), trainable_bytes=trainable)
+    fixed = device_footprints(sizes, placement, pipe.schedule, optimizer_state=state)
+    devices = [DeviceMemory(f.device, f.weights, f.gradients, f.optimizer_state,
+                            timeline.peak_memory(f.device) if f.device in timeline.devices else 0,
+                            timeline.memory_over_time(f.device) if f.device in timeline.devices else [],
+                            measured_peak(f.device))
+               for f in fixed]
     return MemoryReport(devices, note)
 
 

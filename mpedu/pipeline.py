@@ -1,7 +1,6 @@
 """Pipeline: runs a schedule's action lists on the devices' workers and records a Timeline."""
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, wait
@@ -9,132 +8,17 @@ from dataclasses import dataclass
 
 import torch
 
-from . import capacity, dropout, schedules
-from .capacity import DeviceNeed
-from .devices import Device, Worker, get_devices
-from .link import Channel, Link
+from . import capacity, dropout, footprint, schedules, streams
+from .footprint import Footprint, recomputes
+from .clock import Clock
+from .devices import Device, Worker, get_devices, stop_workers, wait_uninterrupted
+from .link import Link
+from .mailbox import Aborted, Mailbox
 from .placement import Placement
+from .runner import StepResult, check_batch
 from .schedules import Action, Schedule
 from .stage import Stage
 from .timeline import Event, Timeline
-from .train import StepResult, check_batch
-
-
-class _Aborted(Exception):
-    """Raised inside a worker when another worker failed: stop, nothing to report."""
-
-
-class _Mailbox:
-    """Tensors in flight between stages, keyed by (what, stage, micro-batch, chunk).
-
-    A receive waits until its tensor arrives or the step is aborted, so a failure
-    anywhere wakes everyone up and no worker stays blocked. A waiting receive parks
-    on its own lock (held, so acquiring it blocks); the send that fills its key
-    releases that lock, waking exactly the one device that waits. A bare lock is
-    the cheapest hand-off CPython has: this sits on the critical path of every
-    transfer.
-
-    With an emulated `link` a sent tensor is in the mailbox at once (the sender goes
-    on), but lands only when the link's Channel for its direction says: a receive
-    then sleeps until that time, freeing its core as a GPU waiting for a copy would.
-    """
-
-    def __init__(self, link: Link | None = None):
-        self._lock = threading.Lock()
-        self._items: dict = {}
-        self._waiting: dict = {}
-        self.aborted = False
-        self._link = link if link is not None and link.emulated else None
-        self._channels: dict = {}          # (from device, to device) -> Channel; each used by one sender
-
-    def put(self, key, value, route=None, nbytes: int = 0) -> float | None:
-        """Deliver `value` under `key`. On an emulated link, `route` = (from device, to device) names the
-        direction; returns when the tensor lands (a perf_counter time), else None."""
-        landing = None
-        if self._link is not None and route is not None:
-            channel = self._channels.get(route)
-            if channel is None:
-                channel = self._channels[route] = Channel(self._link)
-            landing = channel.arrival(time.perf_counter(), nbytes)
-        with self._lock:
-            self._items[key] = (value, landing)
-            waiter = self._waiting.pop(key, None)
-        if waiter is not None:
-            waiter.release()
-        return landing
-
-    def get(self, key):
-        with self._lock:
-            item = self._items.pop(key, None)
-            if item is None:
-                if self.aborted:
-                    raise _Aborted
-                waiter = self._waiting[key] = threading.Lock()
-                waiter.acquire()
-        if item is None:
-            waiter.acquire()          # blocks until put() or abort() releases it
-            with self._lock:
-                item = self._items.pop(key, None)
-            if item is None:
-                raise _Aborted
-        value, landing = item
-        if landing is not None:
-            self._wait_until(landing)
-        return value
-
-    def _wait_until(self, landing: float) -> None:
-        """Sleep until perf_counter() reaches `landing`. time.sleep overshoots by about 70-200 us
-        on Linux, so the last 100 us are spun; sleeps are sliced to notice an abort."""
-        while True:
-            left = landing - time.perf_counter()
-            if left <= 0:
-                return
-            if self.aborted:
-                raise _Aborted
-            if left > _SPIN_S:
-                time.sleep(min(left - _SPIN_S, 0.1))
-
-    def abort(self) -> None:
-        with self._lock:
-            self.aborted = True
-            waiters, self._waiting = list(self._waiting.values()), {}
-        for waiter in waiters:
-            waiter.release()
-
-
-_SPIN_S = 100e-6
-
-
-class _Clock:
-    """Timestamps for one device during one step: perf_counter on CPU, CUDA events on a GPU
-    (read after the step, so timing never blocks the stream).
-
-    A GPU event's time is relative to a reference event on the same stream; the reference is
-    tied to the CPU's clock by waiting until the GPU reaches it. Taking the CPU time when the
-    reference is merely queued would shift every GPU time by the work queued before it (the
-    previous optimizer step, which this device's stream now waits for).
-    """
-
-    def __init__(self, device: Device, t0: float):
-        self.cuda = device.is_cuda
-        self.t0 = t0
-        if self.cuda:
-            self.ref = torch.cuda.Event(enable_timing=True)
-            self.ref.record()
-            self.ref.synchronize()
-            self.ref_cpu = time.perf_counter()
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, mark) -> float:
-        if self.cuda:
-            return self.ref_cpu - self.t0 + self.ref.elapsed_time(mark) / 1e3
-        return mark - self.t0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -164,10 +48,18 @@ class Pipeline:
     t + link.time(bytes): the sender goes on, the receiver sleeps, transfers in one
     direction queue for the bandwidth (see Link), and the timeline's send event spans
     the link's time. Between real GPUs copies take their real time: link= is refused.
+
+    `recompute` trades time for memory (activation recomputation, as in GPipe and torchgpipe):
+    None keeps every activation from a forward to its backward; "all" keeps only each stage's
+    input and runs the forward again at the start of the backward (an "R" box in the timeline);
+    "all-but-last" does so for every micro-batch but the last (torchgpipe's default; see
+    mpedu.footprint for what it saves here); {stage: mode} chooses per stage. Gradients are the same either way:
+    dropout draws the same masks on the re-run (mpedu.dropout).
     """
 
     def __init__(self, model, placement: Placement | str | dict | int = 2, schedule: str | Schedule = "gpipe",
-                 micro_batches: int = 4, chunks: int = 1, memory_cap=None, link: Link | str | None = None):
+                 micro_batches: int = 4, chunks: int = 1, memory_cap=None, link: Link | str | None = None,
+                 recompute=None):
         self.model = model
         self.placement = _as_placement(placement, model)
         if not isinstance(schedule, (str, Schedule)):
@@ -200,6 +92,8 @@ class Pipeline:
                              f"placement uses {', '.join(gpus)}, whose copies take their real time; drop link= "
                              "here (to predict another interconnect, give it to simulate(..., link=...))")
         self.memory_cap = capacity.parse_caps(memory_cap, self.devices)
+        # per stage: None (keep activations), "all" or "all-but-last" (re-run the forward in the backward)
+        self.recompute = footprint.recompute_modes(recompute, len(self.placement.stages))
         runs = self.placement.stages
         self.stages = []
         for s, (dev, names) in enumerate(runs):
@@ -221,9 +115,9 @@ class Pipeline:
             for dev in self.devices:
                 self._workers.append(Worker(dev))
         except BaseException:     # a GPU that cannot start: end the workers already started
-            _stop_workers(self._workers)
+            stop_workers(self._workers)
             raise
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._carry_shape = None
         # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.dropout.
         # Each train_step uses dropout_step, then counts it up; train() sets both from its seed and
@@ -233,7 +127,11 @@ class Pipeline:
 
     def __repr__(self) -> str:
         link = f", link={self.link.name}" if self.link.emulated else ""
-        return f"Pipeline({self.placement}, schedule={self.schedule.name}, micro_batches={self.micro_batches}{link})"
+        modes = set(self.recompute)
+        recompute = "" if modes == {None} else f", recompute={self.recompute[0]!r}" if len(modes) == 1 else (
+            f", recompute={ {s: m for s, m in enumerate(self.recompute) if m} }")
+        return (f"Pipeline({self.placement}, schedule={self.schedule.name}, micro_batches={self.micro_batches}"
+                f"{link}{recompute})")
 
     # -- public ---------------------------------------------------------------------
     def train_step(self, batch) -> StepResult:
@@ -266,9 +164,23 @@ class Pipeline:
             self.bucket_cache[T, B] = plan
         return plan
 
-    def memory_estimate(self, batch) -> list[DeviceNeed]:
-        """Bytes each device needs for a training step on batches of this shape (see mpedu.capacity)."""
-        return capacity.memory_estimate(self, batch)
+    def memory_estimate(self, batch) -> list[Footprint]:
+        """What each device holds for a training step on batches of this shape: its weights, their
+        gradients, and the activations at the schedule's peak (mpedu.footprint), with this pipeline's
+        recomputation. The activations of one micro-batch come from a dry run of its forward with
+        saved-tensor hooks (the counting a training step records in its timeline), made once per
+        bucket shape. Not counted: optimizer state (the pipeline never sees the optimizer; plain SGD
+        keeps none) and short-lived buffers inside an op."""
+        check_batch(batch, self.model.vocab_size)
+        plan = self._plan(batch)
+        return footprint.device_footprints(self._layer_sizes(batch, plan), self.placement, self.schedule,
+                                           self.recompute, caps=self.memory_cap)
+
+    def _layer_sizes(self, batch, plan: "BucketPlan"):
+        if plan.sizes is None:
+            plan.sizes = capacity.layer_sizes(self.stages, batch.split(self.micro_batches)[0], plan.chunk_bounds,
+                                              self.model)
+        return plan.sizes
 
     def reset_state(self) -> None:
         """Forget carried recurrent state (stream mode)."""
@@ -295,9 +207,12 @@ class Pipeline:
         check_batch(batch, self.model.vocab_size)
         plan = self._plan(batch)
         if train and self.memory_cap and not plan.memory_checked:
-            capacity.check_memory(self, batch, plan)       # before the step: nothing has run yet
+            # before the step: nothing has run yet
+            capacity.check_memory(self.memory_estimate(batch), plan.sizes, self.placement, self.schedule,
+                                  self.recompute, self.memory_cap, (plan.T, plan.B))
+            plan.memory_checked = True
         plan.steps += 1
-        micro = _host_micro_batches(batch, self.micro_batches, plan.chunk_bounds,
+        micro = streams.host_micro_batches(batch, self.micro_batches, plan.chunk_bounds,
                                     pin_inputs=self.stages[0].device.is_cuda,
                                     pin_targets=self.stages[-1].device.is_cuda)
         tokens = int(batch.tokens)
@@ -315,13 +230,13 @@ class Pipeline:
         key = dropout.Position(self.dropout_seed, self.dropout_step)
         positions = [[key.at(i * plan.micro_batch, lo) for lo, _ in plan.chunk_bounds]
                      for i in range(self.micro_batches)] if train else None
-        mailbox = _Mailbox(self.link)
+        mailbox = Mailbox(self.link)
         timeline = Timeline([d.name for d in self.devices])
         t0 = time.perf_counter()
-        callers = _caller_streams(self.devices)
-        futures = [worker.submit(_after(callers.get(worker.device.name),
-                                        self._device_job(d, row, micro, 1.0 / tokens, train, mailbox, timeline, t0,
-                                                        positions)))
+        callers = streams.caller_streams(self.devices)
+        futures = [worker.submit(streams.after(callers.get(worker.device.name),
+                                               self._device_job(d, row, micro, 1.0 / tokens, train, mailbox, timeline,
+                                                                t0, positions)))
                    for d, (worker, row) in enumerate(zip(self._workers, actions))]
         try:
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -330,13 +245,13 @@ class Pipeline:
                 mailbox.abort()
                 wait(futures)
                 errors = [f.exception() for f in futures if f.exception() is not None
-                          and not isinstance(f.exception(), _Aborted)]
+                          and not isinstance(f.exception(), Aborted)]
                 raise errors[0] if errors else RuntimeError("pipeline step aborted")
         except BaseException:
             # Ctrl-C or a failure: wake every worker, let each finish its current action,
             # then drop the step's tensors so the next step starts clean.
             mailbox.abort()
-            _wait_uninterrupted(futures)
+            wait_uninterrupted(futures)
             for stage in self.stages:
                 stage.reset()
             self._carry_shape = None
@@ -357,7 +272,7 @@ class Pipeline:
         return StepResult(loss=nll / tokens, nll_sum=nll, tokens=tokens, timeline=timeline)
 
     def _device_job(self, d: int, row: list[Action], micro, scale: float, train: bool,
-                    mailbox: _Mailbox, timeline: Timeline, t0: float, positions=None):
+                    mailbox: Mailbox, timeline: Timeline, t0: float, positions=None):
         device = self.devices[d]
         here = device.torch_device
         stages, last = self.stages, len(self.stages) - 1
@@ -393,12 +308,12 @@ class Pipeline:
             return moved
 
         def job():
-            clock = _Clock(device, t0)
+            clock = Clock(device, t0)
             marks = []
             try:
                 for a in row:
                     if mailbox.aborted:
-                        raise _Aborted
+                        raise Aborted
                     stage = stages[a.stage]
                     inputs, targets = micro[a.mb][a.chunk]          # (t, b) slices of the batch
                     if a.kind == "F":
@@ -412,13 +327,20 @@ class Pipeline:
                             targets = targets.to(here, non_blocking=True)
                         start = clock.mark()
                         out = stage.forward(a.mb, a.chunk, x, targets, scale, train=train,
-                                            where=positions[a.mb][a.chunk] if positions else None)
+                                            where=positions[a.mb][a.chunk] if positions else None,
+                                            recompute=train and recomputes(self.recompute[a.stage], a.mb,
+                                                                           self.micro_batches))
                         held = stage.saved_bytes(a.mb, a.chunk)
                         marks.append((a.kind, a.stage, a, start, clock.mark(), 0, "", held))
                         if a.stage < last:
                             send(out, "act", a.stage, a.stage + 1, a, clock, marks)
                     elif a.kind == "B":
                         grad = receive("grad", a) if a.stage < last else None
+                        if stage.recomputes(a.mb, a.chunk):
+                            # R: the forward again, now keeping what backward needs (its own box)
+                            start = clock.mark()
+                            grown = stage.recompute_forward(a.mb, a.chunk)
+                            marks.append(("R", a.stage, a, start, clock.mark(), 0, "", grown))
                         held = stage.saved_bytes(a.mb, a.chunk) if a.stage not in split else 0
                         start = clock.mark()
                         grad_in = stage.backward(a.mb, a.chunk, grad, weights=a.stage not in split)
@@ -449,7 +371,7 @@ class BucketPlan:
     micro_batch: int
     chunk_bounds: list[tuple[int, int]]
     steps: int = 0      # how many steps used this plan
-    layer_storages: dict | None = None    # per layer, what one unit saves for backward (memory_estimate)
+    sizes: object | None = None      # the layers' bytes (a Costs without times) for memory_estimate
     memory_checked: bool = False
 
     def __str__(self) -> str:
@@ -472,50 +394,3 @@ def _as_placement(placement, model) -> Placement:
         return Placement.even(model, get_devices(placement))
     raise TypeError(f"placement must be a Placement, a string like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1', "
                     f"a dict or a device count; got {type(placement).__name__}")
-
-
-def _host_micro_batches(batch, m: int, chunk_bounds, pin_inputs: bool, pin_targets: bool):
-    """[micro-batch][chunk] -> (inputs, targets), each (t, b), views of the micro-batch's block.
-
-    A block a GPU reads (the first stage's token ids, the last stage's targets) is copied once
-    into page-locked memory: a copy from there does not block the worker, so it can queue
-    work ahead of the GPU; from pageable memory every copy would wait for the GPU.
-    """
-    blocks = [(mb.inputs.pin_memory() if pin_inputs else mb.inputs,
-               mb.targets.pin_memory() if pin_targets else mb.targets) for mb in batch.split(m)]
-    return [[(inputs[lo:hi], targets[lo:hi]) for lo, hi in chunk_bounds] for inputs, targets in blocks]
-
-
-def _caller_streams(devices) -> dict:
-    """{GPU name: the calling thread's stream on it}: where the caller's optimizer step, gradient
-    clipping and zero_grad run (the default stream, unless the caller chose another)."""
-    return {d.name: torch.cuda.current_stream(d.torch_device) for d in devices if d.is_cuda}
-
-
-def _after(caller_stream, job):
-    """`job`, made to start on its GPU worker's stream only after the work already queued on the
-    caller's stream. PyTorch's pool streams do not wait for the default stream, so without this
-    the step's forward could read weights the previous optimizer step has not yet written, and
-    reuse gradient memory that step still reads. Off a GPU (no stream) the job runs as it is."""
-    if caller_stream is None:
-        return job
-
-    def ordered():
-        torch.cuda.current_stream().wait_stream(caller_stream)
-        return job()
-    return ordered
-
-
-def _wait_uninterrupted(futures) -> None:
-    """Wait for the workers to stop even if Ctrl-C is pressed again meanwhile."""
-    while True:
-        try:
-            wait(futures)
-            return
-        except KeyboardInterrupt:
-            continue
-
-
-def _stop_workers(workers) -> None:
-    for worker in workers:
-        worker.stop(wait=False)

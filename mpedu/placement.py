@@ -48,24 +48,12 @@ class Placement:
         if not text.strip():
             raise ValueError("empty placement: write groups like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1'")
         assignment: dict[str, str] = {}
-        for group in text.split("|"):
-            if group.count(":") < 1:
-                raise ValueError(f"placement group {_shown(group.strip())} has no device: write 'layers:device', "
-                                 "e.g. 'embed,lstm0:vgpu0'")
-            layers, device = group.rsplit(":", 1)
-            if not device.strip():
-                raise ValueError(f"placement group {_shown(group.strip())} names no device after ':'")
-            # "lstm0:vgpu:1" splits as ("lstm0:vgpu", "1"); "vgpu:-1" too, and the device then says it does not exist
-            if re.fullmatch(r"\s*-?\d+\s*", device) and ":" in layers:
-                layers, device = layers.rsplit(":", 1)[0], layers.rsplit(":", 1)[1] + ":" + device.strip()
-            if len(device.strip()) > 32:     # device names are short; a long one would be echoed whole below
-                raise ValueError(f"{_shown(device.strip())} is not a device name; devices look like vgpu:0, "
-                                 "cuda:1 or cpu")
-            for name in _expand(layers, limit=len(model.layer_names)):
+        for names, device in read_groups(text, limit=len(model.layer_names)):
+            for name in names:
                 if name in assignment:
                     raise ValueError(f"layer {_shown(name)} is placed twice ({assignment[name]} and "
-                                     f"{_shown(device.strip())}); give each layer one device")
-                assignment[name] = device.strip()
+                                     f"{_shown(device)}); give each layer one device")
+                assignment[name] = device
         return cls(model.layer_names, assignment)
 
     @classmethod
@@ -129,6 +117,29 @@ class Placement:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Placement) and self.assignment == other.assignment
+
+
+def read_groups(text: str, limit: int | None = None) -> list[tuple[list[str], str]]:
+    """'embed,lstm0-1:vgpu0 | decode:cuda:1' -> [(['embed', 'lstm0', 'lstm1'], 'vgpu0'), (['decode'], 'cuda:1')].
+
+    Only the reading: device names are returned as written (Placement.parse turns them into
+    Devices; mpedu.distributed reads them as rank labels). `limit` bounds a layer range."""
+    groups = []
+    for group in text.split("|"):
+        if group.count(":") < 1:
+            raise ValueError(f"placement group {_shown(group.strip())} has no device: write 'layers:device', "
+                             "e.g. 'embed,lstm0:vgpu0'")
+        layers, device = group.rsplit(":", 1)
+        if not device.strip():
+            raise ValueError(f"placement group {_shown(group.strip())} names no device after ':'")
+        # "lstm0:vgpu:1" splits as ("lstm0:vgpu", "1"); "vgpu:-1" too, and the device then says it does not exist
+        if re.fullmatch(r"\s*-?\d+\s*", device) and ":" in layers:
+            layers, device = layers.rsplit(":", 1)[0], layers.rsplit(":", 1)[1] + ":" + device.strip()
+        if len(device.strip()) > 32:     # device names are short; a long one would be echoed whole below
+            raise ValueError(f"{_shown(device.strip())} is not a device name; devices look like vgpu:0, "
+                             "cuda:1 or cpu")
+        groups.append((_expand(layers, limit=limit), device.strip()))
+    return groups
 
 
 def _expand(layers: str, limit: int | None = None) -> list[str]:

@@ -9,8 +9,11 @@ from matplotlib.patches import Patch, Rectangle
 
 # Okabe-Ito colours: told apart by people with any common colour-vision deficiency.
 # Each box also carries its kind's letter, so colour is never the only cue.
-KIND_COLOURS = {"F": "#56B4E9", "B": "#E69F00", "W": "#009E73"}   # sky blue, orange, bluish green
-KIND_NAMES = {"F": "F forward", "B": "B backward", "W": "W weight gradient"}
+# sky blue, reddish purple (the forward again; black labels stay readable on it), orange, bluish green
+KIND_COLOURS = {"F": "#56B4E9", "R": "#CC79A7", "B": "#E69F00", "W": "#009E73"}
+KIND_NAMES = {"F": "F forward", "R": "R forward again (recomputation, before its B)", "B": "B backward",
+              "W": "W weight gradient"}
+ALL_REDUCE_COLOUR = "#CC79A7"   # reddish purple: the gradient all-reduce of data parallelism (label "AR")
 IDLE_COLOUR = "#EBEBEB"       # the row's background: wherever it shows, the device waits
 TRANSFER_COLOUR = "#444444"
 UNITS = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6}
@@ -67,6 +70,15 @@ def plot_timeline(timeline, ax=None, *, title=None, time_unit="ms", show_transfe
         if e.duration * scale * label_width >= 4.5 * len(text) + 2:
             ax.text((e.start + e.duration / 2) * scale, y, text, ha="center", va="center", fontsize=7.5,
                     color="black", zorder=3, clip_on=True)
+
+    for e in timeline.collectives():      # data parallelism: the all-reduce, a box labelled AR
+        if e.device in rows:
+            ax.add_artist(Rectangle((e.start * scale, rows[e.device] - BOX_HEIGHT / 2), e.duration * scale,
+                                    BOX_HEIGHT, facecolor=ALL_REDUCE_COLOUR, edgecolor=_darker(ALL_REDUCE_COLOUR),
+                                    linewidth=0.5, zorder=2, gid=f"{e.device} all-reduce"))
+            if e.duration * scale * label_width >= 4.5 * 2 + 2:
+                ax.text((e.start + e.duration / 2) * scale, rows[e.device], "AR", ha="center", va="center",
+                        fontsize=7.5, color="black", zorder=3, clip_on=True)
 
     if show_transfers:
         _draw_transfers(ax, timeline, rows, scale)
@@ -174,11 +186,12 @@ def _marks(timelines, show_transfers: bool) -> dict:
     return {"kinds": {e.kind for e in compute},
             "most_stages": max((len(s) for s in stages.values()), default=1),
             "chunked": any(e.chunk for e in compute),
-            "transfers": show_transfers and any(t.transfers() for t in timelines)}
+            "transfers": show_transfers and any(t.transfers() for t in timelines),
+            "all_reduce": any(t.collectives() for t in timelines)}
 
 
 def _legend_handles(marks: dict):
-    handles = [Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in "FBW" if k in marks["kinds"]]
+    handles = [Patch(facecolor=KIND_COLOURS[k], label=KIND_NAMES[k]) for k in "FRBW" if k in marks["kinds"]]
     if marks["most_stages"] > 1:
         handles += [Patch(facecolor=_lighter("#999999", 0.45 * k), hatch="//" if k else None,
                           edgecolor=_darker(_lighter("#999999", 0.45 * k)),
@@ -186,6 +199,8 @@ def _legend_handles(marks: dict):
     if marks["transfers"]:
         handles.append(Line2D([], [], color=TRANSFER_COLOUR, marker="v", markersize=4, linewidth=0.8,
                               label="transfer"))
+    if marks.get("all_reduce"):
+        handles.append(Patch(facecolor=ALL_REDUCE_COLOUR, label="AR all-reduce of gradients"))
     handles.append(Patch(facecolor=IDLE_COLOUR, label="idle"))
     return handles
 

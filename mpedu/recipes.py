@@ -26,6 +26,7 @@ from dataclasses import dataclass
 # 141, 124, 98, 92, 89 against a unigram 382). lr 20 learns as fast but overshoots in epoch 3
 # (valid 124 -> 132) before the halving rule catches it; lr 10 falls smoothly. Batches of 32
 # give a 4-micro-batch pipeline 8 columns per micro-batch.
+CONFIG = "tiny"    # the config (and recipe) `python -m mpedu train` uses unless told
 LR = 10.0
 EPOCHS = 6
 BATCH_SIZE = 32

@@ -371,13 +371,21 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
 }
 
 
-def make(name: str, stage_devices, m: int, chunks: int = 1) -> Schedule:
-    """Build and validate the named schedule (`chunks` > 1: time chunks, wavefront only)."""
-    key = name.lower().replace("-", "").replace("_", "")
-    aliases = {"1f1b": "1f1b", "onefoneb": "1f1b", "zb": "zb1", "zbh1": "zb1", "zerobubble": "zb1"}
-    key = aliases.get(key, key)
+ALIASES = {"onefoneb": "1f1b", "zb": "zb1", "zbh1": "zb1", "zerobubble": "zb1"}
+
+
+def canonical(name: str) -> str:
+    """A schedule's name as GENERATORS spells it ('1F1B', 'zero-bubble' -> '1f1b', 'zb1'); ValueError if unknown."""
+    key = str(name).lower().replace("-", "").replace("_", "")
+    key = ALIASES.get(key, key)
     if key not in GENERATORS:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(GENERATORS)}")
+    return key
+
+
+def make(name: str, stage_devices, m: int, chunks: int = 1) -> Schedule:
+    """Build and validate the named schedule (`chunks` > 1: time chunks, wavefront only)."""
+    key = canonical(name)
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"micro_batches must be a whole number >= 1, got {m!r}")
     if isinstance(chunks, int) and m * chunks > MAX_UNITS:

@@ -5,6 +5,7 @@ from numbers import Real
 from typing import Mapping, Sequence
 
 from . import schedules
+from .footprint import peak_held, recompute_modes, recomputes, unit_bytes
 from .link import Channel, Link
 from .profile import Costs, StageCost
 from .schedules import Schedule
@@ -14,7 +15,7 @@ from .timeline import Event, Timeline
 def simulate(schedule, costs, placement=None, *, micro_batches: int | None = None, chunks: int = 1,
              link: Link | str | None = None,
              speed: Mapping[str, float] | Sequence[float] | None = None, cores: float | None = None,
-             devices: Sequence[str] | None = None) -> Timeline:
+             devices: Sequence[str] | None = None, recompute=None) -> Timeline:
     """Play `schedule` with `costs` and return the predicted Timeline (source "predicted").
 
         simulate(pipe, profile(model, batch, micro_batches=4))          # a Pipeline's own plan
@@ -37,9 +38,15 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     default. Charged as the Pipeline charges it: the sender goes on, the receiver waits,
     and transfers in one direction between two devices queue for the bandwidth (see Link).
     Device names come from the placement, else `devices`, else gpu:0 … gpu:p-1.
+    recompute: as for Pipeline (None, "all", "all-but-last", {stage: mode}; a Pipeline's own by
+    default). A recomputed micro-batch's backward first runs the forward again: its B costs B + F,
+    drawn as an "R" event (the forward's share) followed by the B.
+    Events carry the activation bytes they add or free (Event.memory, from the costs' activation
+    bytes, as mpedu.footprint counts them): the predicted timeline's peak_memory is the model's.
     """
     if hasattr(schedule, "schedule") and hasattr(schedule, "placement"):   # a Pipeline
         placement = placement if placement is not None else schedule.placement
+        recompute = recompute if recompute is not None else getattr(schedule, "recompute", None)
         schedule = schedule.schedule
     if isinstance(costs, Costs):
         if placement is None:
@@ -69,7 +76,8 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
         raise ValueError(f"{len(names)} device names {names} for a schedule on {schedule.num_devices} devices")
     if cores is not None and not cores > 0:
         raise ValueError(f"cores={cores}: give a positive number of cores, or None for independent devices")
-    return _play(schedule, stage_costs, names, Link.parse(link), _speeds(speed, names), cores)
+    modes = recompute_modes(recompute, schedule.num_stages)
+    return _play(schedule, stage_costs, names, Link.parse(link), _speeds(speed, names), cores, modes)
 
 
 def _speeds(speed, names: list[str]) -> list[float]:
@@ -94,7 +102,7 @@ def _speeds(speed, names: list[str]) -> list[float]:
 
 
 def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], link: Link,
-          speed: list[float], cores: float | None = None) -> Timeline:
+          speed: list[float], cores: float | None = None, modes=None) -> Timeline:
     """Time every action (schedules.run_order, or _run_shared when devices share cores or
     transfers may queue) and turn that into events.
 
@@ -116,7 +124,15 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
         peer = a.stage + 1 if a.kind == "F" else a.stage - 1 if a.kind == "B" else -1
         return (peer, int(stage_costs[min(a.stage, peer)].output_bytes / chunks)) if 0 <= peer < n else None
 
-    cost = lambda d, a: per_kind[a.kind][a.stage] / speed[d]      # noqa: E731
+    m = schedule.micro_batches
+    rerun = (lambda a: a.kind == "B" and recomputes(modes[a.stage], a.mb, m)) if modes and any(modes) else (
+        lambda a: False)                                            # noqa: E731
+
+    def cost(d, a):
+        # a recomputed micro-batch's B runs its forward again first
+        own = per_kind[a.kind][a.stage] + (per_kind["F"][a.stage] if rerun(a) else 0.0)
+        return own / speed[d]
+
     arrivals: dict = {}                                            # sending action -> when its tensor lands
     if link.bandwidth_Bps == inf and (cores is None or cores >= schedule.num_devices):
         # Without a bandwidth limit transfers never queue: each lands link.time(bytes) after its send.
@@ -138,8 +154,26 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
         played = _run_shared(schedule, cost, None, inf if cores is None else cores, send=send)
     timeline = Timeline(list(names), source="predicted")
     events = timeline.events
+    # activation bytes each action adds or frees (mpedu.footprint's units), so that the predicted timeline's
+    # memory_over_time and peak_memory are the memory model's
+    sizes = unit_bytes(stage_costs, modes or [None] * n, m, chunks)
+
+    def change(a) -> int:
+        kept, full = (round(x) for x in sizes(a.stage, a.mb))
+        if a.kind == "F":
+            return kept
+        if a.kind == "W" or (a.kind == "B" and a.stage not in split):
+            return -full
+        return 0
+
     for d, a, start, end in played:
-        events.append(Event(names[d], a.kind, a.stage, a.mb, start, end, a.chunk))
+        if rerun(a):           # the R part takes the forward's share of the action's time
+            f, b = per_kind["F"][a.stage], per_kind["B"][a.stage]
+            split_at = start + (end - start) * (f / (f + b) if f + b > 0 else 0.0)
+            kept, full = (round(x) for x in sizes(a.stage, a.mb))
+            events.append(Event(names[d], "R", a.stage, a.mb, start, split_at, a.chunk, memory=full - kept))
+            start = split_at
+        events.append(Event(names[d], a.kind, a.stage, a.mb, start, end, a.chunk, memory=change(a)))
         out = outgoing(a)
         if out is not None and sd[out[0]] != d:
             peer, nbytes = out
@@ -206,17 +240,72 @@ def peak_in_flight(timeline: Timeline, stage_bytes: Sequence[float] | None = Non
 
     GPipe holds all m on every device; 1F1B holds at most p - s on stage s.
     """
-    split = {(e.stage, e.mb, e.chunk) for e in timeline.events if e.kind == "W"}
-    peaks = {}
-    for d in timeline.devices:
-        held = peak = 0.0
-        for e in timeline.compute(d):
-            weight = 1.0 if stage_bytes is None else float(stage_bytes[e.stage])
-            if e.kind == "F":
-                held += weight
-                peak = max(peak, held)
-            elif e.kind == ("W" if (e.stage, e.mb, e.chunk) in split else "B"):
-                held -= weight
-        peaks[d] = peak
-    return peaks
+    split = {e.stage for e in timeline.events if e.kind == "W"}
+    weight = (lambda s, mb: (1.0, 1.0)) if stage_bytes is None else (     # noqa: E731
+        lambda s, mb: (float(stage_bytes[s]),) * 2)
+    return {d: peak_held(timeline.compute(d), weight, split)[0] for d in timeline.devices}
 
+
+
+# -- a whole epoch of mixed buckets ---------------------------------------------------------------------
+class EpochPrediction:
+    """Predicted seconds of an epoch of batches of mixed shapes: per (T, B) shape, how many batches and
+    the predicted step of one."""
+
+    def __init__(self, per_shape: dict):
+        self.per_shape = per_shape          # (T, B) -> (batches, seconds per step, what ran it)
+
+    @property
+    def total_s(self) -> float:
+        return sum(count * step for count, step, _ in self.per_shape.values())
+
+    @property
+    def batches(self) -> int:
+        return sum(count for count, _, _ in self.per_shape.values())
+
+    def table(self) -> str:
+        lines = [f"{'T':>5}{'B':>5}{'batches':>9}{'step ms':>10}{'total s':>9}  plan"]
+        for (T, B), (count, step, how) in sorted(self.per_shape.items()):
+            lines.append(f"{T:>5}{B:>5}{count:>9}{step * 1e3:>10.1f}{count * step:>9.2f}  {how}")
+        lines.append(f"epoch: {self.batches} batches, {self.total_s:.2f} s predicted")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def predict_epoch(batches, curve, plan, **simulate_args) -> EpochPrediction:
+    """Predict an epoch of `batches` (a BucketIterator, Batches, or (T, B) shapes), each step simulated
+    with the costs of its own micro-batch shape, `curve.at(T, B / m)` (a profile.CostCurve).
+
+    plan: what runs each step: a Pipeline, or anything with placement, schedule, micro_batches, chunks
+    (and optionally recompute), e.g. a planner Candidate; or a dict {T: such} to run each bucket length
+    its own way (the planner's per-bucket choice). One simulation per distinct shape.
+    """
+    counts: dict = {}
+    for b in batches:
+        shape = tuple(b.inputs.shape) if hasattr(b, "inputs") else tuple(b)
+        counts[shape] = counts.get(shape, 0) + 1
+    per_shape = {}
+    for (T, B), count in counts.items():
+        how = plan.get(T) if isinstance(plan, Mapping) else plan
+        if how is None:
+            raise ValueError(f"the plan has no entry for bucket length T={T}; give one for each of "
+                             f"{sorted({t for t, _ in counts})}")
+        m = how.micro_batches
+        if B % m:
+            raise ValueError(f"a batch of B={B} columns (T={T}) does not split into micro_batches={m}; "
+                             "use BucketIterator(drop_last=True) so every batch is full, or a divisor of "
+                             f"{B}")
+        name = how.schedule if isinstance(how.schedule, str) else how.schedule.name
+        schedule = schedules.make(name, how.placement.stage_devices, m, how.chunks)
+        extra = {"recompute": how.recompute} if getattr(how, "recompute", None) is not None else {}
+        costs = curve.at(T, B // m, how.chunks)
+        step = simulate(schedule, costs, how.placement, **extra, **simulate_args).makespan
+        rc = getattr(how, "recompute", None)
+        if rc is not None and not isinstance(rc, str):                 # a Pipeline's mode per stage
+            modes = set(rc.values() if isinstance(rc, Mapping) else rc)
+            rc = modes.pop() if len(modes) == 1 else "per stage"
+        per_shape[T, B] = (count, step, f"{name} m={m}" + (f" c={how.chunks}" if how.chunks > 1 else "")
+                           + (f" recompute={rc}" if rc else ""))
+    return EpochPrediction(per_shape)

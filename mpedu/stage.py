@@ -31,6 +31,7 @@ class _Saved:
     state_out: list[torch.Tensor] = field(default_factory=list)  # state handed to chunk c+1
     grads: list | None = None                 # kept by B for W: (outputs, grad_outputs)
     saved_bytes: int = 0                      # activations autograd keeps for backward
+    replay: tuple | None = None               # recomputation: (input, state before, targets, scale, dropout Position)
 
 
 def count_saved(storages: dict[int, int], skip: set[int]):
@@ -85,16 +86,28 @@ class Stage:
 
     # -- forward --------------------------------------------------------------------
     def forward(self, mb: int, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None,
-                scale: float = 1.0, train: bool = True, where: dropout.Position | None = None) -> torch.Tensor:
+                scale: float = 1.0, train: bool = True, where: dropout.Position | None = None,
+                recompute: bool = False) -> torch.Tensor:
         """Run the layers on one micro-batch; on the last stage return `nll_sum * scale`.
 
         `where`: the step's dropout Position at this (micro-batch, chunk)'s first column and time
-        step, so that its masks are that slice of the one-device masks (mpedu.dropout)."""
+        step, so that its masks are that slice of the one-device masks (mpedu.dropout).
+        `recompute`: save nothing for backward but the input (and the recurrent state it started
+        from); `recompute_forward` runs the layers again before the backward. The same Position
+        draws the same dropout masks again, so the gradients are exact."""
         if not train:
             with torch.no_grad():
                 return self._run(mb, chunk, x, targets, scale, train=False)[0]
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)     # boundary: backward stops here
+        if recompute:
+            before = self.state.get(mb, {})
+            with torch.no_grad(), dropout.at(where):
+                out = self._run(mb, chunk, x, targets, scale, train=True)[0]
+            kept = x.untyped_storage().nbytes() if x.is_floating_point() else 0    # token ids: the step holds them
+            self.saved[mb, chunk] = _Saved(x if x.is_floating_point() else None, out, saved_bytes=kept,
+                                           replay=(x, before, targets, scale, where))
+            return out
         storages: dict[int, int] = {}
         pack = self._counting_hook(storages, x, targets)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dropout.at(where):
@@ -103,24 +116,48 @@ class Stage:
                                        saved_bytes=sum(storages.values()))
         return out
 
+    def recompute_forward(self, mb: int, chunk: int) -> int:
+        """R: run again the forward of a (micro-batch, chunk) that `forward(..., recompute=True)` ran,
+        this time keeping what backward needs. Returns the bytes it adds to what the stage holds."""
+        saved = self.saved[mb, chunk]
+        x, before, targets, scale, where = saved.replay
+        storages: dict[int, int] = {}
+        with torch.autograd.graph.saved_tensors_hooks(self._counting_hook(storages, x, targets), lambda t: t), \
+                dropout.at(where):
+            out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True, before=before)
+        if saved.x is not None:             # the kept input, counted once if the graph saves it too
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        self.saved[mb, chunk] = _Saved(saved.x, out, state_in, state_out, saved_bytes=sum(storages.values()))
+        return self.saved[mb, chunk].saved_bytes - saved.saved_bytes
+
+    def recomputes(self, mb: int, chunk: int = 0) -> bool:
+        """Whether (mb, chunk)'s forward kept only its input, to be recomputed before its backward."""
+        saved = self.saved.get((mb, chunk))
+        return saved is not None and saved.replay is not None
+
     def measure(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         """A dry run for the memory estimate: run the layers on one micro-batch from a fresh state,
-        store nothing, and return (output, [per layer: {storage: bytes} autograd saved for backward]).
+        store nothing, and return (output, [per layer: {storage: bytes} autograd saved for backward],
+        [per layer: output bytes], [per layer: bytes of its own input it saves]).
 
         The output keeps its graph, so the saved storages stay allocated (and their addresses
         unique) for as long as the caller holds it; detach it before passing it on.
         """
         if x.is_floating_point():
             x = x.detach().requires_grad_(True)
-        per_layer = []
+        per_layer, outputs, input_saved = [], [], []
         for k, layer in enumerate(self.layers):
             storages: dict[int, int] = {}
+            inp = x
             with torch.autograd.graph.saved_tensors_hooks(self._counting_hook(storages, x, targets), lambda t: t):
                 x, _ = layer(x, None)
-                if self.is_last and k == len(self.layers) - 1:
+                last = self.is_last and k == len(self.layers) - 1
+                if last:
                     x = nll_sum(x, targets)
             per_layer.append(storages)
-        return x, per_layer
+            outputs.append(0 if last else x.numel() * x.element_size())
+            input_saved.append(storages.get(inp.untyped_storage().data_ptr(), 0) if inp.is_floating_point() else 0)
+        return x, per_layer, outputs, input_saved
 
     def _counting_hook(self, storages: dict[int, int], x: torch.Tensor, targets: torch.Tensor | None):
         """`count_saved` for this stage. Not counted: weights, and the step's token ids and targets
@@ -134,8 +171,10 @@ class Stage:
         saved = self.saved.get((mb, chunk))
         return saved.saved_bytes if saved is not None else 0
 
-    def _run(self, mb, chunk, x, targets, scale, train):
-        previous = self.state.get(mb, {})
+    def _run(self, mb, chunk, x, targets, scale, train, before=None):
+        """The layers on one (micro-batch, chunk). `before`: a recomputation, from the state the first
+        run started from; it records nothing (the state and the loss are the first run's)."""
+        previous = self.state.get(mb, {}) if before is None else before
         state_in, state_out, new_state = [], [], {}
         for name, layer in zip(self.names, self.layers):
             state = previous.get(name)
@@ -149,10 +188,12 @@ class Stage:
             if state is not None:
                 new_state[name] = tuple(t.detach() for t in state)
                 state_out += list(state)
-        self.state[mb] = new_state
+        if before is None:
+            self.state[mb] = new_state
         if self.is_last:
             nll = nll_sum(x, targets)
-            self.nll[mb, chunk] = nll.detach()
+            if before is None:
+                self.nll[mb, chunk] = nll.detach()
             x = nll * scale
         return x, state_in, state_out
 

@@ -12,8 +12,10 @@ from .files import atomic_write
 class Event:
     """One box on a device's row. Times are seconds from the start of the step.
 
-    kind is "F", "B" or "W" for compute, "send" for a transfer to another device
-    (drawn on the sender's row; `peer` names the receiver).
+    kind is "F", "B" or "W" for compute ("R": a forward run again before its B, activation
+    recomputation), "send" for a transfer to another device
+    (drawn on the sender's row; `peer` names the receiver), "allreduce" for a data-parallel
+    gradient all-reduce (mpedu.distributed; communication, so not busy time).
     """
 
     device: str
@@ -33,11 +35,12 @@ class Event:
 
     @property
     def label(self) -> str:
-        text = f"{self.stage}{self.kind}{self.mb}" if self.kind in "FBW" else f"{self.kind}{self.mb}"
+        text = f"{self.stage}{self.kind}{self.mb}" if self.kind in "FRBW" else f"{self.kind}{self.mb}"
         return text if self.chunk == 0 else f"{text}.{self.chunk}"
 
 
-COMPUTE = ("F", "B", "W")
+COMPUTE = ("F", "R", "B", "W")
+ALL_REDUCE = "allreduce"
 
 
 @dataclass
@@ -54,6 +57,10 @@ class Timeline:
     def compute(self, device: str | None = None) -> list[Event]:
         return sorted((e for e in self.events if e.kind in COMPUTE and (device is None or e.device == device)),
                       key=lambda e: e.start)
+
+    def collectives(self) -> list[Event]:
+        """The all-reduce boxes (data parallelism under torchrun), in time order."""
+        return sorted((e for e in self.events if e.kind == ALL_REDUCE), key=lambda e: e.start)
 
     def transfers(self) -> list[Event]:
         return sorted((e for e in self.events if e.kind == "send"), key=lambda e: e.start)

@@ -19,8 +19,10 @@ from .pipeline import Pipeline
 from .placement import Placement
 from .plot import IDLE_COLOUR, KIND_COLOURS, TRANSFER_COLOUR
 from .profile import profile
-from .simulate import peak_in_flight, simulate
-from .train import CLIP, LR
+from .footprint import device_footprints
+from .recipes import CLIP, LR
+from .simulate import simulate
+from .training import step
 
 from .link import LINKS
 
@@ -28,6 +30,9 @@ SCHEDULES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe", "1f
              "interleaved": "interleaved 1F1B", "zb1": "zero bubble (ZB-H1)", "wavefront": "wavefront (time chunks)"}
 # A CPU core computes about 100x slower than a GPU: a link slowed as much keeps a GPU's compute-to-communication ratio.
 SLOWDOWNS = {1: "1× (as it is)", 10: "10×", 100: "100× (GPU-like)"}
+# Activation recomputation (Pipeline's recompute=): the menu's keys; "none" is recompute=None
+RECOMPUTE = {"none": "keep activations", "all": "recompute every micro-batch",
+             "all-but-last": "recompute all but the last micro-batch"}
 
 # The board is drawn in the browser from the synced traits below; a drop sends back a new `assignment`.
 _ESM = r"""
@@ -321,7 +326,8 @@ def timeline_panel(timeline, title: str, end: float):
     return panel, marks, kinds
 
 
-_KIND_WORDS = {"F": "F forward", "B": "B backward (input gradient, sent to the stage before)",
+_KIND_WORDS = {"F": "F forward", "R": "R forward again (recomputation, before its B)",
+               "B": "B backward (input gradient, sent to the stage before)",
                "W": "W weight gradient (nobody waits for it)"}
 
 
@@ -337,7 +343,7 @@ def _colours(kind: str, k: int, cache={}) -> tuple[str, str]:   # noqa: B006 (a 
 def _legend(marks: dict, kinds: set) -> dict:
     """A key to every mark drawn, and a sentence that reads the box labels that appear."""
     items = []
-    for kind in "FBW":
+    for kind in "FRBW":
         if (kind, 0) in marks:
             words = _KIND_WORDS[kind] if kind != "B" or ("W", 0) in marks else "B backward"
             items.append({"label": words, "fill": marks[kind, 0], "shape": "box", "hatch": False})
@@ -391,13 +397,15 @@ class PipelineExplorer(w.VBox):
 
     def __init__(self, model, batch, devices: int | list = 2, schedule: str = "gpipe", micro_batches: int = 4,
                  chunks: int = 2, costs=None, steps: int = 5, link: str = "shared", slowdown: int = 1,
-                 state_file=None):
+                 state_file=None, recompute: str | None = None):
         T, B = batch.inputs.shape
         if B % micro_batches:
             raise ValueError(f"micro_batches={micro_batches} does not divide the batch size {B}; "
                              f"use one of {[m for m in range(1, B + 1) if B % m == 0]}")
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if (recompute or "none") not in RECOMPUTE:
+            raise ValueError(f"unknown recompute {recompute!r}; choose None, 'all' or 'all-but-last'")
         if link not in LINKS:
             raise ValueError(f"unknown link {link!r}; choose one of {', '.join(LINKS)}")
         self.model, self.batch, self.steps = model, batch, steps
@@ -432,6 +440,10 @@ class PipelineExplorer(w.VBox):
                                    description="GPU-like slow-down", **menu,
                                    tooltip="an emulated link this many times slower: a CPU core computes ~100× "
                                            "slower than a GPU, so 100× keeps a GPU's ratio of compute to transfer")
+        self.recompute_menu = w.Dropdown(options=[(text, key) for key, text in RECOMPUTE.items()],
+                                         value=recompute or "none", description="activations", **menu,
+                                         tooltip="recompute: keep only each stage's input and run its forward "
+                                                 "again before the backward (less memory, more time)")
         self.message, self.figure_line, self.note, self.run_status = w.HTML(), w.HTML(), w.HTML(), w.HTML()
         self.note.add_class("mpedu-note")
         self.fix_button = w.Button(layout=w.Layout(display="none", width="max-content"))
@@ -441,7 +453,8 @@ class PipelineExplorer(w.VBox):
         self.progress = w.IntProgress(0, 0, steps, description="trained", layout=w.Layout(display="none"))
 
         self.board.observe(self._update, ["assignment", "devices"])
-        for control in (self.micro_batches, self.schedule_menu, self.chunks, self.link_menu, self.slowdown):
+        for control in (self.micro_batches, self.schedule_menu, self.chunks, self.link_menu, self.slowdown,
+                        self.recompute_menu):
             control.observe(self._update, "value")
         self.device_count.observe(self._resize, "value")
         self.fix_button.on_click(lambda _: self._fix and self._fix[1]())
@@ -449,6 +462,7 @@ class PipelineExplorer(w.VBox):
         self.stop_button.on_click(lambda _: self.stop())
         super().__init__([self.board, w.HBox([self.device_count, self.micro_batches]),
                           w.HBox([self.schedule_menu, self.chunks]), w.HBox([self.link_menu, self.slowdown]),
+                          self.recompute_menu,
                           self.message, self.fix_button, self.figure_line, self.note, self.timeline,
                           w.HBox([self.run_button, self.stop_button, self.progress]), self.run_status])
         self.add_class("mpedu-explorer")
@@ -473,6 +487,11 @@ class PipelineExplorer(w.VBox):
             placement = (Placement.parse if isinstance(placement, str) else Placement.from_dict)(placement, self.model)
         names = sorted({d.name for d in placement.devices}, key=lambda n: (len(n), n))   # vgpu:2 before vgpu:10
         self._set_board(names, {k: v.name for k, v in placement.assignment.items()})
+
+    @property
+    def recompute(self) -> str | None:
+        """The menu's choice as Pipeline's recompute= (None: keep activations)."""
+        return None if self.recompute_menu.value == "none" else self.recompute_menu.value
 
     @property
     def link(self):
@@ -601,7 +620,7 @@ class PipelineExplorer(w.VBox):
             try:
                 placement, schedule = self._check()
                 costs, measured = self._costs_for(schedule.micro_batches, placement.devices[0])
-                self.predicted = simulate(schedule, costs, placement, link=self.link)
+                self.predicted = simulate(schedule, costs, placement, link=self.link, recompute=self.recompute)
             except ValueError as error:
                 self.predicted, self.figures, self._fix = None, {}, getattr(error, "fix", None)
                 self.message.value, self.figure_line.value, self.note.value = _error(error), "", ""
@@ -626,17 +645,15 @@ class PipelineExplorer(w.VBox):
 
     def _describe(self, placement, schedule, costs, measured: bool) -> None:
         """The line of figures, a note where the numbers need a word, and the numbers on the board."""
-        t, stage_costs = self.predicted, costs.stages(placement)
+        t = self.predicted
         one = simulate("naive", costs, Placement.single(self.model, placement.devices[0]),
                        micro_batches=schedule.micro_batches)
-        held = peak_in_flight(t, [c.activation_bytes / schedule.chunks for c in stage_costs])
-        memory = dict(held)                               # activations at their peak, plus ...
-        for (device, _), c in zip(placement.stages, stage_costs):
-            memory[device.name] += 2 * c.param_bytes      # ... the weights and their gradients
+        # weights, gradients and the activations at the schedule's peak: the one memory model (SGD keeps no state)
+        memory = {f.device: f.total for f in device_footprints(costs, placement, schedule, self.recompute)}
         self.figures = f = {"makespan_s": t.makespan, "bubble": t.bubble_fraction, "speedup": one.makespan / t.makespan,
                             "transfers": len(t.transfers()), "bytes_moved": t.bytes_moved,
                             "stages": len(placement.stages), "memory_bytes": memory, "estimated": not measured}
-        m, b = schedule.micro_batches, costs.micro_batch[1]
+        m = schedule.micro_batches
         self.figure_line.value = (
             f"{'estimated' if not measured else 'predicted'} step <b>{f['makespan_s'] * 1e3:.1f} ms</b> · "
             f"bubble <b>{f['bubble']:.0%}</b> · <b>{f['speedup']:.2f}×</b> the speed of one device doing the same "
@@ -677,7 +694,8 @@ class PipelineExplorer(w.VBox):
         # more virtual devices than cores take turns on them: say what to expect here, next to the prediction
         shared = all(d.virtual for d in placement.devices) and len(placement.devices) > cores
         costs, _ = self._costs_for(schedule.micro_batches, placement.devices[0])
-        here = simulate(schedule, costs, placement, cores=cores, link=self.link) if shared else None
+        here = (simulate(schedule, costs, placement, cores=cores, link=self.link, recompute=self.recompute)
+                if shared else None)
         self.running, self.losses, self._runs = True, [], self._runs + 1
         self._stop.clear()
         self._lock(True)
@@ -701,19 +719,20 @@ class PipelineExplorer(w.VBox):
                 thread.join(timeout)
 
     def _train(self, placement, schedule, here, steps, cores) -> None:
-        # The command line's step (mpedu.train.train) is inlined in its loop with its checks; this is the same
-        # SGD with the same learning rate and clipping, for a few steps.
+        # the command line's step (mpedu.training.step), with its learning rate and clipping, for a few steps
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer, done, predicted = torch.optim.SGD(params, lr=LR), 0, self.predicted
         expect = (f" ({len(placement.devices)} devices take turns on {cores} cores here: about "
                   f"{here.makespan * 1e3:.0f} ms expected)" if here is not None else "")
         try:
-            with self._model_lock, Pipeline(self.model, placement, schedule, link=self.link) as pipe:
+            with self._model_lock, Pipeline(self.model, placement, schedule, link=self.link,
+                                            recompute=self.recompute) as pipe:
                 while done < steps and not self._stop.is_set():
-                    optimizer.zero_grad(set_to_none=True)
-                    result = pipe.train_step(self.batch)
-                    torch.nn.utils.clip_grad_norm_(params, CLIP)
-                    optimizer.step()
+                    result, stepped = step(pipe, optimizer, self.batch, clip=CLIP)
+                    if not stepped:     # the weights stay as they were: say so rather than train on
+                        raise FloatingPointError(f"step {done + 1}: the loss ({result.loss:.4g}) or a gradient is "
+                                                 "not finite, so the weights were left as they were and the run "
+                                                 "stopped")
                     done += 1
                     self.measured = result.timeline
                     self.losses.append(result.loss)
@@ -735,7 +754,7 @@ class PipelineExplorer(w.VBox):
     def _lock(self, on: bool) -> None:
         """While a run trains, the choices stay as they were when it started."""
         for control in (self.device_count, self.micro_batches, self.schedule_menu, self.link_menu, self.run_button,
-                        self.fix_button):
+                        self.fix_button, self.recompute_menu):
             control.disabled = on
         self.chunks.disabled = on or self.schedule_menu.value != "wavefront"
         self.slowdown.disabled = on or not LINKS[self.link_menu.value].emulated
@@ -747,6 +766,7 @@ class PipelineExplorer(w.VBox):
             placement = self.placement
             state = {"placement": placement and str(placement), "assignment": self.board.assignment,
                      "devices": self.board.devices, "schedule": self.schedule_menu.value,
+                     "recompute": self.recompute_menu.value,
                      "micro_batches": self.micro_batches.value, "figures": self.figures, "redraws": self._redraws,
                      "message": self.message.value, "progress": self.progress.value, "losses": self.losses,
                      "running": self.running, "runs": self._runs, "revision": self.timeline.revision,

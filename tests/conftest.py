@@ -1,8 +1,11 @@
-"""Shared test helpers: a tiny model and a padded time-major batch."""
+"""Shared test helpers: a tiny model, a padded time-major batch, a little corpus, quiet training, the fuzz settings."""
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 VOCAB = 61
+# hypothesis settings for the fuzz tests: a few dozen examples, no deadline (a busy machine is slow)
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def make_batch(T=9, B=8, vocab=VOCAB, seed=0, carry_state=False):
@@ -23,6 +26,27 @@ def tiny_model(num_layers=3, seed=0, **overrides):
     from mpedu.model import LSTMLM
     torch.manual_seed(seed)
     return LSTMLM.from_config("tiny", VOCAB, num_layers=num_layers, **overrides)
+
+
+@pytest.fixture(scope="module")
+def little():
+    """A slice of the embedded corpus: 16 batches of (at most) 16 an epoch, so a run takes about a second."""
+    from mpedu.data import Corpus, load_corpus
+    corpus = load_corpus()
+    return Corpus(corpus.vocab, corpus.train[:200], corpus.valid[:40], corpus.test[:40], name="little")
+
+
+def lm(corpus, seed=0, **overrides):
+    """The tiny config for `corpus`'s vocabulary, initialised from `seed`."""
+    from mpedu.model import LSTMLM
+    torch.manual_seed(seed)
+    return LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab), **overrides)
+
+
+def quiet(lines=None, **kw):
+    """train() keyword arguments: no progress bars, log lines dropped (or appended to `lines`), plus `kw`."""
+    log = (lambda line: None) if lines is None else lines.append
+    return dict(progress=False, log=log, **kw)
 
 
 def reference(model, batch):

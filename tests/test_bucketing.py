@@ -4,11 +4,12 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
+from conftest import FUZZ
 from mpedu.bucketing import Batch, BucketIterator, StreamIterator, default_buckets, padding_fraction
 from mpedu.data import load_corpus
+
 
 EOS_ID = 2
 
@@ -244,3 +245,16 @@ def test_stream_bad_arguments():
         StreamIterator([torch.tensor([3, 2])], batch_size=1, bptt=0)
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
         StreamIterator([torch.tensor([3, 2])], batch_size=0, bptt=5)
+
+
+# ---------------------------------------------------------------- bad bucket lists, fuzzed
+
+@given(st.lists(st.one_of(st.integers(-2, 40), st.floats(0, 40), st.sampled_from(["8", None])), max_size=5))
+@FUZZ
+def test_bucket_lists_work_or_name_the_bad_value(little, buckets):
+    try:
+        batches = BucketIterator(little.train[:30], 4, buckets)
+    except ValueError as e:
+        assert "bucket" in str(e)
+    else:
+        assert sum(b.tokens for b in batches) == sum(len(s) for s in little.train[:30])

@@ -1,5 +1,9 @@
 """Checkpoints a user can trust: checksums, files that are not checkpoints, a full disk, going back, overrides."""
+import copy
 import gzip
+import io
+import json
+import math
 import os
 import pickle
 import resource
@@ -10,12 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mpedu.__main__ as cli
-from mpedu.checkpoint import CheckpointError, checksums, load_checkpoint, load_model
-from mpedu.data import Corpus, load_corpus
+from conftest import FUZZ, lm, quiet
+from mpedu.checkpoint import (CheckpointError, SLOW_WRITE_ENV, atomic_save, checksums, load_checkpoint, load_model,
+                              save_checkpoint)
+from mpedu.data import Corpus, Vocabulary, load_corpus
+from mpedu.history import History
 from mpedu.model import LSTMLM
-from mpedu.train import train
+from mpedu.training import train
+
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--config", "tiny", "--limit-batches", "3", "--batch-size", "16", "--no-progress", "--devices", "1"]
@@ -24,26 +33,21 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 
 
 @pytest.fixture(scope="module")
-def little():
+def little120():
     corpus = load_corpus()
     return Corpus(corpus.vocab, corpus.train[:120], corpus.valid[:30], corpus.test[:30], name="little")
 
 
-def lm(corpus, seed=0):
-    torch.manual_seed(seed)
-    return LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
-
-
-def quiet(lines=None, **kw):
+def short_run(lines=None, **kw):
     return dict(progress=False, log=(lambda line: None) if lines is None else lines.append, batch_size=16,
                 limit_batches=2, **kw)
 
 
 @pytest.fixture(scope="module")
-def trained(little, tmp_path_factory):
+def trained(little120, tmp_path_factory):
     """A folder with the checkpoint.pt and model.pt of one epoch."""
     out = tmp_path_factory.mktemp("trained")
-    train(lm(little), little, epochs=1, out=out, **quiet())
+    train(lm(little120), little120, epochs=1, out=out, **short_run())
     return out
 
 
@@ -157,21 +161,21 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_the_old_checkpoin
 
 # ---------------------------------------------------------------- 1 and 2: resuming
 
-def test_an_lr_given_on_resume_wins_and_is_named(little, tmp_path):
-    train(lm(little), little, epochs=1, out=tmp_path, lr=10.0, **quiet())
+def test_an_lr_given_on_resume_wins_and_is_named(little120, tmp_path):
+    train(lm(little120), little120, epochs=1, out=tmp_path, lr=10.0, **short_run())
     lines = []
-    history = train(lm(little), little, epochs=2, out=tmp_path, lr=0.001, resume=True, **quiet(lines))
+    history = train(lm(little120), little120, epochs=2, out=tmp_path, lr=0.001, resume=True, **short_run(lines))
     assert history.epochs[1]["lr"] == 0.001
     assert any("lr 0.001 (given) replaces the checkpoint's lr 10" in line for line in lines), lines
     # the same command again continues with the lr as the run left it (here halved), saying nothing
     lines = []
-    history = train(lm(little), little, epochs=3, out=tmp_path, lr=0.001, resume=True, **quiet(lines))
+    history = train(lm(little120), little120, epochs=3, out=tmp_path, lr=0.001, resume=True, **short_run(lines))
     assert history.epochs[2]["lr"] in (0.001, 0.0005) and not any("replaces" in line for line in lines)
 
 
-def test_an_lr_not_given_on_resume_is_the_checkpoints(little, tmp_path):
-    train(lm(little), little, epochs=1, out=tmp_path, lr=3.0, **quiet())
-    history = train(lm(little), little, epochs=2, out=tmp_path, resume=True, **quiet())
+def test_an_lr_not_given_on_resume_is_the_checkpoints(little120, tmp_path):
+    train(lm(little120), little120, epochs=1, out=tmp_path, lr=3.0, **short_run())
+    history = train(lm(little120), little120, epochs=2, out=tmp_path, resume=True, **short_run())
     assert history.epochs[1]["lr"] in (3.0, 1.5)
 
 
@@ -180,14 +184,14 @@ def test_the_cli_resume_with_a_new_lr_prints_it_in_the_summary(capsys, tmp_path)
     code = cli.main(["train", *QUICK, "--epochs", "2", "--out", str(tmp_path), "--resume", "--lr", "0.001",
                      "--json"])
     out = capsys.readouterr().out
-    assert code == 0 and cli.json.loads(out.strip().splitlines()[-1])["lr"] == 0.001
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["lr"] == 0.001
     assert "lr 0.001 (given) replaces the checkpoint's lr 10" in out
 
 
-def test_a_clip_given_on_resume_is_named(little, tmp_path):
-    train(lm(little), little, epochs=1, out=tmp_path, clip=0.25, **quiet())
+def test_a_clip_given_on_resume_is_named(little120, tmp_path):
+    train(lm(little120), little120, epochs=1, out=tmp_path, clip=0.25, **short_run())
     lines = []
-    train(lm(little), little, epochs=2, out=tmp_path, clip=1.0, resume=True, **quiet(lines))
+    train(lm(little120), little120, epochs=2, out=tmp_path, clip=1.0, resume=True, **short_run(lines))
     assert any("clip=0.25; this run uses clip=1.0" in line for line in lines), lines
 
 
@@ -202,16 +206,212 @@ def test_fewer_epochs_than_trained_is_refused_and_the_checkpoint_is_untouched(ca
     # the same --epochs again: nothing to train, nothing rewritten, the summary as it was
     assert cli.main(["train", *QUICK, "--epochs", "2", "--out", str(tmp_path), "--resume", "--json"]) == 0
     out = capsys.readouterr().out
-    assert "nothing to train" in out and cli.json.loads(out.strip().splitlines()[-1])["epochs"] == 2
+    assert "nothing to train" in out and json.loads(out.strip().splitlines()[-1])["epochs"] == 2
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
     # and a later, larger --epochs goes on from epoch 3: history epochs 1, 2, 3
     assert cli.main(["train", *QUICK, "--epochs", "3", "--out", str(tmp_path), "--resume"]) == 0
     assert [e["epoch"] for e in load_checkpoint(tmp_path / "checkpoint.pt")["history"]["epochs"]] == [1, 2, 3]
 
 
-def test_train_refuses_to_go_back_before_changing_anything(little, tmp_path):
-    train(lm(little), little, epochs=1, out=tmp_path, **quiet())
+def test_train_refuses_to_go_back_before_changing_anything(little120, tmp_path):
+    train(lm(little120), little120, epochs=1, out=tmp_path, **short_run())
     before = (tmp_path / "checkpoint.pt").read_bytes()
     with pytest.raises(CheckpointError, match="already trained 1 epochs.*--epochs 2 or more"):
-        train(lm(little), little, epochs=0, out=tmp_path, resume=True, **quiet())
+        train(lm(little120), little120, epochs=0, out=tmp_path, resume=True, **short_run())
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
+
+
+# ---------------------------------------------------------------- writing, refusing, loading back
+
+def small_checkpoint(path, corpus, marker):
+    model = lm(corpus)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    save_checkpoint(path, model=model, optimizer=optimizer, vocab=corpus.vocab,
+                    history=History([{"marker": marker}]), epoch=marker)
+    return model
+
+
+def test_a_crash_while_writing_keeps_the_old_checkpoint(little, tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    small_checkpoint(path, little, marker=1)
+    real_save = torch.save
+
+    def dies_halfway(obj, f):  # the disk fills up (or the process dies) half-way through the write
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        raise OSError("No space left on device (simulated)")
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(OSError, match="simulated"):
+        small_checkpoint(path, little, marker=2)
+    monkeypatch.undo()
+    assert load_checkpoint(path)["history"]["epochs"] == [{"marker": 1}]
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]  # no temp file left behind
+
+
+def test_a_truncated_checkpoint_names_the_file(little, tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    small_checkpoint(path, little, marker=1)
+    path.write_bytes(path.read_bytes()[:2000])
+    with pytest.raises(CheckpointError, match="damaged") as err:
+        load_checkpoint(path)
+    assert str(path) in str(err.value)
+    with pytest.raises(CheckpointError, match="checkpoint.pt"):
+        train(lm(little), little, epochs=1, out=tmp_path, resume=True, **quiet())
+    path.write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(path)
+
+
+def test_a_checkpoint_of_another_model_is_refused(little, tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    small_checkpoint(path, little, marker=1)
+    other = LSTMLM.from_config("small", vocab_size=len(little.vocab))
+    with pytest.raises(CheckpointError) as err:
+        train(other, little, epochs=1, out=tmp_path, resume=True, **quiet())
+    assert "'tiny' model" in str(err.value) and "'small' model" in str(err.value)
+
+    words = list(little.vocab.itos)
+    words[10], words[11] = words[11], words[10]
+    swapped = Corpus(Vocabulary(words), little.train, little.valid, little.test, name="swapped")
+    with pytest.raises(CheckpointError, match="another vocabulary.*differ at id 10"):
+        train(lm(little), swapped, epochs=1, out=tmp_path, resume=True, **quiet())
+
+
+def test_final_model_and_vocabulary_load_back(little, tmp_path):
+    model = lm(little)
+    train(model, little, epochs=1, batch_size=16, out=tmp_path, **quiet())
+    loaded, vocab = load_model(tmp_path / "model.pt")
+    assert vocab.itos == little.vocab.itos and loaded.config == model.config
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    with pytest.raises(CheckpointError, match="not an mpedu model file"):
+        load_model(tmp_path / "checkpoint.pt")
+
+
+RUN = dict(batch_size=16, lr=5.0, seed=3, checkpoint_every=3)
+
+
+def test_a_leftover_temp_file_is_removed_and_never_read(little, tmp_path):
+    train(lm(little), little, epochs=1, out=tmp_path, limit_batches=2, **quiet(**RUN))
+    before = load_checkpoint(tmp_path / "checkpoint.pt")
+    junk = tmp_path / ".checkpoint.pt.abc123.tmp"
+    junk.write_bytes(b"half a checkpoint")
+    lines = []
+    train(lm(little), little, epochs=1, out=tmp_path, resume=True, limit_batches=2, **quiet(lines, **RUN))
+    assert not junk.exists() and any("never read" in line and junk.name in line for line in lines)
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["history"] == before["history"]
+
+
+def test_the_slow_write_hook_only_delays_the_rename(tmp_path, monkeypatch):
+    monkeypatch.setenv(SLOW_WRITE_ENV, "0.01")
+    atomic_save({"x": torch.ones(2)}, tmp_path / "f.pt")
+    assert torch.load(tmp_path / "f.pt", weights_only=True)["x"].tolist() == [1.0, 1.0]
+    assert [p.name for p in tmp_path.iterdir()] == ["f.pt"]
+
+
+# ---------------------------------------------------------------- untrusted files
+
+class _Payload:
+    """Unpickling this would create `marker`: what a malicious checkpoint would do."""
+
+    def __init__(self, marker, how):
+        self.marker, self.how = marker, how
+
+    def __reduce__(self):
+        if self.how == "os.system":
+            return os.system, (f"touch {self.marker}",)
+        return Path.write_text, (Path(self.marker), "owned")
+
+
+@pytest.mark.parametrize("how", ["os.system", "Path.write_text"])
+@pytest.mark.parametrize("container", ["torch.save", "raw pickle"])
+def test_a_malicious_pickle_is_refused_and_never_runs(tmp_path, little, capsys, how, container):
+    marker = tmp_path / "marker"
+    payload = _Payload(marker, how)
+    path = tmp_path / "checkpoint.pt"
+    if container == "torch.save":
+        torch.save({"format": "mpedu-checkpoint-1", "model": payload}, path)
+    else:
+        path.write_bytes(pickle.dumps(payload))
+    with pytest.raises(CheckpointError, match=r"holds Python objects, not just weights.*refuses it"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="refuses it"):
+        train(lm(little), little, epochs=1, out=tmp_path, resume=True, **quiet(**RUN))
+    assert cli.main(["train", "--devices", "1", "--resume", "--out", str(tmp_path), "--no-progress"]) == 2
+    assert "refuses it" in capsys.readouterr().err
+    assert not marker.exists()
+    if container == "raw pickle":        # the test means something: unpickled, it does write the marker
+        pickle.loads(path.read_bytes())
+        assert marker.exists()
+
+
+@given(st.binary(max_size=3000))
+@FUZZ
+def test_random_bytes_are_a_checkpoint_error(tmp_path, data):
+    path = tmp_path / "random.pt"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=str(path)):
+        load_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(little, tmp_path_factory):
+    out = tmp_path_factory.mktemp("good")
+    train(lm(little), little, epochs=1, out=out, limit_batches=2, **quiet(**RUN))
+    return (out / "checkpoint.pt").read_bytes()
+
+
+@given(st.floats(0.0, 0.999))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_truncated_checkpoint_is_a_checkpoint_error(tmp_path, good_checkpoint, fraction):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(good_checkpoint[:int(len(good_checkpoint) * fraction)])
+    with pytest.raises(CheckpointError, match="checkpoint.pt"):
+        load_checkpoint(path)
+
+
+ODD_VALUES = [None, 0, -1, 10**6, 1e308, math.nan, "x", True, [], [1, "a"], {}, {"a": 1}, torch.zeros(3),
+              torch.zeros(2, 2, dtype=torch.uint8)]
+
+
+PATHS = [("model",), ("model", "layers.lstm0.lstm.weight_hh_l0"), ("optimizer",), ("optimizer", "param_groups"),
+         ("optimizer", "state"), ("rng",), ("rng", "torch"), ("rng", "python"), ("position",), ("position", "epoch"),
+         ("position", "batch"), ("position", "totals"), ("history",), ("history", "epochs"), ("vocab",),
+         ("vocab", "itos"), ("config",), ("config", "num_layers"), ("config", "hidden_size"), ("vocab_size",),
+         ("settings",), ("format",), ("placement",), ("lr",)]
+
+
+@given(st.sampled_from(PATHS), st.sampled_from(range(len(ODD_VALUES))), st.booleans())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_tampered_checkpoint_resumes_or_is_refused_clearly(tmp_path, little, good_checkpoint, key, value, delete):
+    ckpt = torch.load(io.BytesIO(good_checkpoint), weights_only=True)
+    *parents, last = key
+    node = ckpt
+    for k in parents:
+        node = node[k]
+    if delete:
+        node.pop(last, None)
+    else:
+        node[last] = copy.deepcopy(ODD_VALUES[value])
+    out = tmp_path / "run"
+    out.mkdir(exist_ok=True)
+    torch.save(ckpt, out / "checkpoint.pt")
+    try:   # epochs=1: the checkpoint is at the end of epoch 1, so a good one only evaluates the test split
+        history = train(lm(little), little, epochs=1, out=out, resume=True, limit_batches=2, **quiet(**RUN))
+    except CheckpointError as e:
+        assert "checkpoint" in str(e) and str(out) in str(e)
+    else:
+        history.summary()
+
+
+def test_the_checkpoint_names_live_in_checkpoint_and_the_old_training_module_is_gone():
+    # (wave 1 checked that mpedu.train re-exported these "for older code"; the re-exports and the module are gone)
+    import importlib.util
+    import mpedu
+    checkpoint = importlib.import_module("mpedu.checkpoint")
+    for name in ("CheckpointError", "save_checkpoint", "load_checkpoint", "save_model", "load_model",
+                 "CHECKPOINT_FORMAT", "MODEL_FORMAT"):
+        assert hasattr(checkpoint, name), name
+    assert mpedu.load_model is checkpoint.load_model
+    assert importlib.util.find_spec("mpedu.train") is None

@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_batch, reference, tiny_model
 from mpedu.model import nll_sum
-from mpedu.pipeline import Pipeline, _host_micro_batches
+from mpedu.pipeline import Pipeline
 
 pytestmark = pytest.mark.cuda      # GPU placements run here where CUDA exists (see conftest)
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -146,37 +146,3 @@ def test_optimizer_steps_between_pipeline_steps_are_ordered_with_the_workers(pla
         torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("pin", [pytest.param(False, id="cpu-twin"), pytest.param(True, id="pinned", marks=NO_GPU)])
-def test_micro_batches_a_gpu_reads_are_pinned_once_per_step(pin):
-    batch = make_batch(T=9, B=8)
-    micro = _host_micro_batches(batch, 4, [(0, 4), (4, 9)], pin_inputs=pin, pin_targets=False)
-    parts = batch.split(4)
-    assert len(micro) == 4 and all(len(chunks) == 2 for chunks in micro)
-    for mb, chunks in zip(parts, micro):
-        assert torch.equal(torch.cat([x for x, _ in chunks]), mb.inputs)
-        assert torch.equal(torch.cat([y for _, y in chunks]), mb.targets)
-        # both chunks are views of one block per micro-batch (one pinned copy, not one per chunk)
-        assert chunks[0][0].untyped_storage().data_ptr() == chunks[1][0].untyped_storage().data_ptr()
-        assert all(x.is_contiguous() for x, _ in chunks)     # a non-contiguous copy would be staged
-        if torch.cuda.is_available():
-            assert chunks[0][0].is_pinned() == pin and not chunks[0][1].is_pinned()
-
-
-def test_a_gpu_job_first_waits_for_the_callers_stream(monkeypatch):
-    """The ordering itself, with stand-in streams (no GPU needed): the worker's stream waits for the
-    caller's before the job's first op; a virtual device's job is left as it is."""
-    import mpedu.pipeline as pipeline
-    order = []
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            order.append(f"{self.name} waits for {other.name}")
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("worker"))
-    job = lambda: order.append("job") or 7        # noqa: E731
-    assert pipeline._after(None, job) is job
-    assert pipeline._after(Stream("caller"), job)() == 7
-    assert order == ["worker waits for caller", "job"]

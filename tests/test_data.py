@@ -6,8 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-from mpedu.data import (EOS, PAD, UNK, Corpus, CorpusError, Vocabulary, load_corpus, read_sentences)
+import mpedu.__main__ as cli
+from conftest import FUZZ
+from mpedu.data import Corpus, CorpusError, EOS, PAD, UNK, Vocabulary, load_corpus, read_sentences
+
 
 PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
 
@@ -181,3 +185,49 @@ def test_ptb_vocabulary(ptb):
     unk = torch.cat(ptb.test).eq(ptb.vocab.unk_id).float().mean().item()
     assert 0.03 < unk < 0.15, f"<unk> rate on test {unk:.1%}"  # PTB's own <unk> plus words unseen in valid
     assert 200 < ptb.unigram_perplexity("test") < 1_500
+
+
+# ---------------------------------------------------------------- bad corpus files
+
+def _corpus(folder: Path, train_text: bytes) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ptb.train.txt").write_bytes(train_text)
+    for split in ("valid", "test"):
+        (folder / f"ptb.{split}.txt").write_bytes(b"a b c\nb c a\n")
+    return folder
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"", "contains no sentences"),
+    (b"\n\n  \n", "contains no sentences"),
+    (bytes(range(256)) * 4, "not valid UTF-8"),
+    (b"w " * 20_000 + b"\n", "longer than max_line_tokens"),
+    (b"a <pad> b\n", "reserved for padding"),
+])
+def test_bad_corpus_files_exit_2_naming_the_file(capsys, tmp_path, content, words):
+    folder = _corpus(tmp_path / "data", content)
+    code = cli.main(["train", "--devices", "1", "--data", str(folder), "--epochs", "1", "--no-progress",
+                     "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("mpedu: error:") and words in err and "ptb.train.txt" in err, err
+
+
+def test_one_huge_sentence_trains(capsys, tmp_path):
+    folder = _corpus(tmp_path / "data", b" ".join(b"w%d" % (k % 50) for k in range(3000)) + b"\n")
+    code = cli.main(["train", "--data", str(folder), "--epochs", "1", "--limit-batches", "1", "--no-progress",
+                     "--out", str(tmp_path / "out"), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["epochs"] == 1
+
+
+@given(st.binary(max_size=400))
+@FUZZ
+def test_random_corpus_bytes_load_or_name_the_file(tmp_path, data):
+    folder = _corpus(tmp_path / "fuzz", data)
+    try:
+        corpus = load_corpus(folder)
+    except ValueError as e:
+        assert "ptb.train.txt" in str(e)
+    else:
+        assert len(corpus.train) >= 1

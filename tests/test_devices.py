@@ -5,8 +5,10 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
-from mpedu.devices import Worker, describe_devices, get_device, get_devices, list_devices, virtual_count
+from conftest import FUZZ
+from mpedu.devices import Worker, describe_devices, get_device, get_devices, list_devices, parse_size, virtual_count
 
 
 def test_virtual_devices_are_listed_as_virtual():
@@ -116,3 +118,14 @@ def test_unmarked_tests_see_virtual_devices_only():
     otherwise give `Pipeline(model, 2)` two GPUs under CPU tolerances)."""
     assert [d.name for d in get_devices(2)] == ["vgpu:0", "vgpu:1"]
     assert all(d.virtual for d in list_devices())
+
+
+# ---------------------------------------------------------------- sizes
+
+@given(st.one_of(st.text(max_size=12), st.integers(-10, 10**30), st.floats(), st.none(), st.booleans()))
+@FUZZ
+def test_sizes_parse_or_say_what_a_size_looks_like(value):
+    try:
+        assert parse_size(value) >= 1
+    except ValueError as e:
+        assert "is not a size" in str(e) and "'2MB'" in str(e)

@@ -1,4 +1,7 @@
-"""mpedu.distributed: placements and schedules map to torch; under torchrun, one process's results, and no hang."""
+"""mpedu.distributed's command line (cli, commands): under torchrun, one process's results, and no hang.
+
+The package's other modules have their own test files (test_distributed_<module>.py); the torchrun
+launches are here, few and each checking several things (they are slow on a small machine)."""
 import json
 import os
 import socket
@@ -11,119 +14,49 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import tiny_model
-from mpedu.distributed import (FAIL_ENV, StageModule, _GradContiguous, check_tied_weights, choose_backend,
-                               plan_schedule, rank_placement)
+from mpedu.distributed import FAIL_ENV
+from mpedu.distributed.cli import build_parser, pipeline_devices
+from mpedu.distributed.commands import compare
 from mpedu.model import LSTMLM, LMConfig, nll_sum
 
 ROOT = Path(__file__).resolve().parents[1]
 
+HAND = """# a learner's own order for 2 devices and 4 micro-batches: stage 1 answers each forward at once
+0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+"""
+
 
 # -- without processes ------------------------------------------------------------------
 
-@pytest.mark.parametrize("schedule,ranks,expected,per_call", [
-    ("gpipe", [0, 1], "ScheduleGPipe", 4),
-    ("naive", [0, 1], "ScheduleGPipe", 1),            # one micro-batch per step() call, m calls
-    ("1f1b", [0, 1], "Schedule1F1B", 4),
-    ("1F1B", [0, 1, 2], "Schedule1F1B", 4),
-    ("zb1", [0, 1], "ScheduleInterleavedZeroBubble", 4),
-    ("zero-bubble", [0, 1], "ScheduleInterleavedZeroBubble", 4),
-    ("gpipe", [0, 1, 0, 1], "ScheduleLoopedBFS", 4),
-    ("1f1b", [0, 1, 0, 1], "ScheduleInterleaved1F1B", 4),
-    ("interleaved", [0, 1, 0, 1], "ScheduleInterleaved1F1B", 4),
-    ("zb1", [0, 1, 0, 1], "ScheduleInterleavedZeroBubble", 4),
+@pytest.mark.parametrize("argv,world,expected", [
+    ([], 4, 4), (["--pipeline-devices", "2"], 4, 2), (["--devices", "2"], 2, 2),
+    (["--devices", "2", "--pipeline-devices", "2"], 4, 2),
 ])
-def test_mpedu_schedules_map_to_torch_classes(schedule, ranks, expected, per_call):
-    plan = plan_schedule(schedule, ranks, 4)
-    assert plan.cls.__name__ == expected
-    assert plan.per_call == per_call
+def test_pipeline_devices_come_from_the_options_or_the_world(argv, world, expected):
+    args = build_parser().parse_args(["check", *argv])
+    assert pipeline_devices(args, world) == expected
 
 
-@pytest.mark.parametrize("schedule,ranks,words", [
-    ("interleaved", [0, 1], "v >= 2 stages"),
-    ("gpipe", [0, 1, 0], "round-robin"),                  # 3 stages on 2 ranks: not looped
-    ("zb1", [0, 1, 1, 0], "ZBV"),                         # a V: torch's ZBV cannot eval in this version
-    ("wavefront", [0, 1], "unknown schedule"),
+@pytest.mark.parametrize("argv,world,words", [
+    (["--devices", "3"], 2, "--nproc-per-node 3"),
+    (["--devices", "3", "--pipeline-devices", "2"], 4, "give one of them"),
 ])
-def test_unsupported_combinations_say_why(schedule, ranks, words):
+def test_disagreeing_device_counts_say_what_to_do(argv, world, words):
     with pytest.raises(ValueError, match=words):
-        plan_schedule(schedule, ranks, 4)
+        pipeline_devices(build_parser().parse_args(["check", *argv]), world)
 
 
-def test_device_labels_become_ranks_in_order_of_appearance():
-    model = tiny_model()   # embed, lstm0-2, decode
-    placement = rank_placement(model, "embed,lstm0:vgpu1 | lstm1-2:cuda:0 | decode:vgpu1", 2)
-    assert placement.stage_devices == [0, 1, 0]
-    assert str(placement) == "embed,lstm0:rank0 | lstm1-2:rank1 | decode:rank0"
-    assert rank_placement(model, None, 2).stage_devices == [0, 1]     # even split over the world
-
-
-@pytest.mark.parametrize("text,world,words", [
-    ("embed,lstm0:a | lstm1-2,decode:b", 3, "rank 2 would hold no layers"),
-    ("embed:a | lstm0:b | lstm1-2,decode:c", 2, "--nproc-per-node 3"),
-    (None, 6, "a rank with no layers"),
-    ("embed,lstm0 vgpu0 | lstm1-2,decode:b", 2, "layers:device"),
-    ("embed,lstm0:a | lstm0-2,decode:b", 2, "placed twice"),
-])
-def test_placement_errors_name_the_fix(text, world, words):
-    with pytest.raises(ValueError, match=words):
-        rank_placement(tiny_model(), text, world)
-
-
-def test_tied_weights_cannot_span_ranks():
-    model = tiny_model(num_layers=1, embed_size=64, tie_weights=True)
-    with pytest.raises(ValueError, match="tied weights"):
-        check_tied_weights(model, rank_placement(model, "embed:a | lstm0,decode:b", 2))
-    check_tied_weights(model, rank_placement(model, "embed,lstm0,decode:a", 1))   # one rank: fine
-
-
-def test_the_incoming_gradient_is_made_contiguous():
-    # gloo sends contiguous tensors only; a stage's input gradient may come out strided.
-    x = torch.randn(3, 4, requires_grad=True)
-    (plain,) = torch.autograd.grad(x.t(), x, torch.ones(4, 3))
-    assert not plain.is_contiguous()
-    (fixed,) = torch.autograd.grad(_GradContiguous.apply(x).t(), x, torch.ones(4, 3))
-    assert fixed.is_contiguous() and torch.equal(fixed, plain)
-
-
-def test_stage_module_takes_batch_first_tokens_and_returns_a_tensor():
-    model = tiny_model()
-    first = StageModule(["embed", "lstm0"], [model.layers["embed"], model.layers["lstm0"]])
-    tokens = torch.randint(3, 61, (2, 5))                       # (b, T), as torch's step() splits dim 0
-    out = first(tokens)
-    assert out.shape == (5, 2, 64) and out.is_contiguous()      # (T, b, H) time-major
-    first.fail = True
-    with pytest.raises(RuntimeError, match=FAIL_ENV):
-        first(tokens)
-
-
-@pytest.mark.parametrize("processes,gpus,expected", [
-    (2, 0, "gloo"),
-    (2, 1, "gloo"),     # two processes on one GPU: gloo for both (per-rank choice gave rank 0 NCCL: a hang)
-    (2, 2, "nccl"),
-    (2, 8, "nccl"),
-    (4, 2, "gloo"),
-])
-def test_every_rank_of_a_node_chooses_the_same_backend(processes, gpus, expected):
-    # what each local rank decides sees only what all of them see alike
-    assert {choose_backend("auto", processes, gpus) for _ in range(processes)} == {expected}
-    assert choose_backend("gloo", processes, gpus) == "gloo"
-
-
-def test_nccl_with_more_processes_than_gpus_says_what_to_do():
-    with pytest.raises(RuntimeError, match=r"started 2 processes on this node and it has 1 GPU\(s\): start at "
-                                           r"most 1 per node \(--nproc-per-node\) or use --backend gloo"):
-        choose_backend("nccl", 2, 1)
-    with pytest.raises(RuntimeError, match=r"has 0 GPU\(s\): use --backend gloo"):
-        choose_backend("nccl", 1, 0)
-
-
-def test_the_runner_needs_a_process_group():
-    from mpedu.distributed import DistributedPipeline
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    with pytest.raises(RuntimeError, match="torchrun"):
-        DistributedPipeline(tiny_model(), None, "gpipe", 2)
+def test_the_check_fails_when_one_replica_differs():
+    ref = {"a": torch.ones(3), "b": torch.zeros(2)}
+    same = [{"a": torch.ones(3)}, {"b": torch.zeros(2)}, {"a": torch.ones(3)}, {"b": torch.zeros(2)}]
+    assert compare(same, ref, 1.0, 1.0, 1e-5, 1e-7)[0]
+    off = [dict(part) for part in same]
+    off[2] = {"a": torch.tensor([1.0, 1.0, 1.001])}      # replica 1's copy of "a" drifted
+    equal, line, entry = compare(off, ref, 1.0, 1.0, 1e-5, 1e-7)
+    assert not equal and "DIFFERENT" in line and entry["worst_parameter"] == "a"
+    assert not compare(same[:1], ref, 1.0, 1.0, 1e-5, 1e-7)[0]          # no gradient for "b"
+    assert not compare(same, ref, 1.01, 1.0, 1e-5, 1e-7)[0]             # the loss differs
 
 
 # -- under torchrun: 2 processes, gloo, 127.0.0.1 ------------------------------------------
@@ -138,9 +71,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*args, env=None, timeout=120):
-    """Run `torchrun --nproc-per-node 2 -m mpedu.distributed ARGS`; return (process, seconds)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+def torchrun(*args, env=None, timeout=120, processes=2):
+    """Run `torchrun --nproc-per-node PROCESSES -m mpedu.distributed ARGS`; return (process, seconds)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(processes),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "mpedu.distributed", *args]
     # CUDA_VISIBLE_DEVICES="": the ranks run gloo on the CPU, which the CPU tolerances below assume
     # (on a GPU machine they would pick NCCL; bench/gpu_check.py runs that case)
@@ -154,10 +87,13 @@ def torchrun(*args, env=None, timeout=120):
 
 
 @needs_gloo
-def test_gpipe_and_1f1b_give_the_loss_and_gradients_of_one_process(tmp_path):
-    proc, _ = torchrun("check", "--schedule", "gpipe,1f1b", "--micro-batches", "4", "--batch-size", "16",
-                       "--placement", "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "--out", str(tmp_path))
+def test_gpipe_1f1b_and_a_hand_written_schedule_give_the_loss_and_gradients_of_one_process(tmp_path):
+    (tmp_path / "mine.txt").write_text(HAND)      # run as written: mpedu validates it, torch's runtime plays it
+    proc, _ = torchrun("check", "--schedule", f"gpipe,1f1b,{tmp_path / 'mine.txt'}", "--micro-batches", "4",
+                       "--batch-size", "16", "--placement", "embed,lstm0:vgpu0 | lstm1,decode:vgpu1",
+                       "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "equal to one process: 3 schedule(s)" in proc.stdout
     # the reference, computed here from the exact weights and batch the ranks used
     init = torch.load(tmp_path / "check-init.pt")
     batch = torch.load(tmp_path / "check-batch.pt")
@@ -169,7 +105,7 @@ def test_gpipe_and_1f1b_give_the_loss_and_gradients_of_one_process(tmp_path):
     loss = nll_sum(logits, batch["targets"]) / tokens
     loss.backward()
     report = json.loads((tmp_path / "check.json").read_text())
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "mine"):
         rank0 = torch.load(tmp_path / f"grads-{schedule}-rank0.pt")
         rank1 = torch.load(tmp_path / f"grads-{schedule}-rank1.pt")
         # each process holds only its own layers' gradients
@@ -181,19 +117,26 @@ def test_gpipe_and_1f1b_give_the_loss_and_gradients_of_one_process(tmp_path):
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=f"{schedule} {name}")
         assert report["schedules"][schedule]["loss"] == pytest.approx(loss.item(), rel=1e-6)
         # each rank's timeline: F and B of every micro-batch, on that rank's own stage
-        events = json.loads((tmp_path / f"timeline-{schedule}.json").read_text())["events"]
+        events = json.loads((tmp_path / f"check-{schedule}.timeline.json").read_text())["events"]
         for rank in (0, 1):
             done = {(e["kind"], e["mb"]) for e in events if e["device"] == f"rank:{rank}" and e["stage"] == rank
                     and e["kind"] in "FB"}
             assert done == {(k, i) for k in "FB" for i in range(4)}
+    # the hand-written order ran as written: rank 1 answers each forward at once
+    events = json.loads((tmp_path / "check-mine.timeline.json").read_text())["events"]
+    rank1 = [f"{e['stage']}{e['kind']}{e['mb']}" for e in sorted(events, key=lambda e: e["start"])
+             if e["device"] == "rank:1" and e["kind"] in "FB"]
+    assert rank1 == HAND.splitlines()[2].split()
 
 
 @needs_gloo
 def test_train_gives_the_single_process_result(tmp_path):
     from mpedu.data import load_corpus
-    from mpedu.train import load_model, train
+    from mpedu.checkpoint import load_model
+    from mpedu.training import train
+    # --runtime torch: PyTorch's own Schedule1F1B (the 4-process test below trains with mpedu's action lists)
     proc, _ = torchrun("train", "--limit-batches", "2", "--epochs", "1", "--schedule", "1f1b", "--json",
-                       "--out", str(tmp_path), "--no-progress")
+                       "--out", str(tmp_path), "--no-progress", "--runtime", "torch")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["torch_schedule"] == "Schedule1F1B" and summary["world_size"] == 2
@@ -206,7 +149,7 @@ def test_train_gives_the_single_process_result(tmp_path):
     trained, _ = load_model(tmp_path / "model.pt")             # gathered from both ranks by rank 0
     for (name, a), b in zip(model.state_dict().items(), trained.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
-    timeline = json.loads((tmp_path / "timeline.json").read_text())
+    timeline = json.loads((tmp_path / "last_step.timeline.json").read_text())
     assert {e["device"] for e in timeline["events"]} == {"rank:0", "rank:1"}
 
 
@@ -220,3 +163,70 @@ def test_a_failing_rank_makes_every_rank_exit_soon(tmp_path):
     assert "failure injected" in output
     # torchrun stopped the healthy rank 0 (SIGTERM) once rank 1 failed: nobody hangs, nobody exits 0
     assert "exitcode  : 0" not in output
+
+
+# -- under torchrun: 4 processes = 2 replicas x a 2-rank pipeline --------------------------
+
+@needs_gloo
+def test_two_replicas_of_a_two_stage_pipeline_check_equal_to_one_process(tmp_path):
+    from mpedu.bucketing import Batch
+    from mpedu.single import SingleDevice
+    proc, _ = torchrun("check", "--pipeline-devices", "2", "--schedule", "1f1b,zb1", "--micro-batches", "4",
+                       "--batch-size", "16", "--dropout", "0.3", "--seed", "1", "--out", str(tmp_path),
+                       processes=4, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "equal to one process: 2 schedule(s) on 4 processes (2 replica(s) x 2 pipeline ranks)" in proc.stdout
+    # the reference, computed here: one process on the whole batch, with the same dropout masks
+    init, saved = torch.load(tmp_path / "check-init.pt"), torch.load(tmp_path / "check-batch.pt")
+    model = LSTMLM(init["vocab_size"], LMConfig(**init["config"]))
+    model.load_state_dict(init["state"])
+    one = SingleDevice(model)
+    one.dropout_seed = init["seed"]
+    batch = Batch(saved["inputs"], saved["targets"], saved["targets"] != 0, saved["inputs"].shape[0], False)
+    loss = one.train_step(batch).loss
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["pipeline_devices"] == 2 and report["world_size"] == 4
+    for schedule in ("1f1b", "zb1"):
+        assert report["schedules"][schedule]["loss"] == pytest.approx(loss, rel=1e-6)
+        grads = [torch.load(tmp_path / f"grads-{schedule}-rank{r}.pt") for r in range(4)]
+        # rank r holds pipeline rank r % 2 of replica r // 2; after the all-reduce both replicas hold the
+        # gradient of the whole batch, not of their half
+        for r, part in enumerate(grads):
+            assert {k.split(".")[1] for k in part} == ({"embed", "lstm0"} if r % 2 == 0 else {"lstm1", "decode"})
+            for name, g in part.items():
+                torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, rtol=1e-5, atol=1e-7,
+                                           msg=f"{schedule} rank {r} {name}")
+        timeline = json.loads((tmp_path / f"check-{schedule}.timeline.json").read_text())
+        assert timeline["devices"] == [f"rank:{r}" for r in range(4)]
+        assert sorted(e["device"] for e in timeline["events"] if e["kind"] == "allreduce") == timeline["devices"]
+        assert report["schedules"][schedule]["all_reduces"] == 4
+
+
+@needs_gloo
+def test_two_replicas_train_as_one_process_on_the_whole_batch(tmp_path):
+    from mpedu.checkpoint import load_model
+    from mpedu.data import load_corpus
+    from mpedu.training import train
+    proc, _ = torchrun("train", "--pipeline-devices", "2", "--limit-batches", "2", "--epochs", "1", "--json",
+                       "--out", str(tmp_path), "--no-progress", processes=4, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (summary["replicas"], summary["pipeline_devices"], summary["world_size"]) == (2, 2, 4)
+    assert summary["runtime"] == "mpedu" and summary["torch_schedule"] == "_PipelineScheduleRuntime"
+    corpus = load_corpus()
+    torch.manual_seed(0)
+    model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
+    history = train(model, corpus, epochs=1, limit_batches=2, progress=False, log=lambda *a: None)
+    for key in ("train_ppl", "valid_ppl", "test_ppl"):
+        assert summary[key] == pytest.approx(history.summary()[key], rel=1e-4), key
+    trained, _ = load_model(tmp_path / "model.pt")
+    for (name, a), b in zip(model.state_dict().items(), trained.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+    # one picture of the last step: four rows, each with its all-reduce after its backwards
+    timeline = json.loads((tmp_path / "last_step.timeline.json").read_text())
+    assert timeline["devices"] == [f"rank:{r}" for r in range(4)]
+    for r in range(4):
+        mine = [e for e in timeline["events"] if e["device"] == f"rank:{r}"]
+        [reduce] = [e for e in mine if e["kind"] == "allreduce"]
+        assert reduce["start"] >= max(e["end"] for e in mine if e["kind"] == "B")
+    assert (tmp_path / "last_step.png").stat().st_size > 0

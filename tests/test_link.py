@@ -6,8 +6,6 @@ measured transfer must take at least its link time, and at most that plus a gene
 """
 import json
 import statistics
-import threading
-import time
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from mpedu.__main__ import main
 from mpedu.devices import Device
 from mpedu.claims import NEIGHBOURS, measure_placements
 from mpedu.link import LINKS, Channel, Link
-from mpedu.pipeline import Pipeline, _Mailbox
+from mpedu.pipeline import Pipeline
 from mpedu.profile import StageCost
 from mpedu.simulate import simulate
 
@@ -94,28 +92,6 @@ def test_a_direction_queues_transfers_for_its_bandwidth():
 
 
 # -- the engine ------------------------------------------------------------------------------------
-
-def test_the_mailbox_delivers_after_the_link_time_without_blocking_the_sender():
-    link = Link(0.03, 1e6)                                  # 30 ms + 20 kB at 1 MB/s = 50 ms
-    mailbox = _Mailbox(link)
-    got = {}
-
-    def receiver():
-        got["value"] = mailbox.get("x")
-        got["at"] = time.perf_counter()
-
-    thread = threading.Thread(target=receiver)
-    thread.start()
-    sent = time.perf_counter()
-    landing = mailbox.put("x", "tensor", ("vgpu:0", "vgpu:1"), 20_000)
-    returned = time.perf_counter()
-    thread.join()
-    assert got["value"] == "tensor"
-    assert landing - sent == pytest.approx(link.time(20_000), abs=5e-3)
-    assert returned - sent < link.time(20_000) / 2           # the sender went on at once
-    assert landing <= got["at"] <= landing + SLACK            # the receiver waited for the landing
-    # the default link adds nothing: no landing time at all
-    assert _Mailbox().put("y", 1, ("vgpu:0", "vgpu:1"), 10**9) is None
 
 
 def test_a_transfer_takes_latency_plus_bytes_over_bandwidth_and_the_sender_goes_on(batch):

@@ -1,7 +1,8 @@
 """Placements (MXNet's group2ctx): parsing, stages, and errors that teach."""
 import pytest
+from hypothesis import given, strategies as st
 
-from conftest import tiny_model
+from conftest import FUZZ, tiny_model
 from mpedu.devices import get_device
 from mpedu.placement import Placement
 
@@ -60,3 +61,49 @@ def test_even_refuses_more_devices_than_layers(model):
         Placement.even(model, [f"vgpu:{i}" for i in range(7)])
     with pytest.raises(ValueError, match="need at least one device"):
         Placement.even(model, 0)
+
+
+# ---------------------------------------------------------------- bad input, fuzzed
+
+PIECES = ["embed", "lstm", "decode", "0", "1", "2", "9", "-", ",", ":", "|", " ", "vgpu", "cuda", "cpu", "x", "::"]
+
+
+placement_text = st.one_of(st.lists(st.sampled_from(PIECES), max_size=10).map("".join), st.text(max_size=30))
+
+
+def _placement_or_a_message(build) -> None:
+    """build(model) gives a placement of every layer, or a ValueError with a message; nothing else."""
+    model = tiny_model(num_layers=2)
+    try:
+        placement = build(model)
+    except ValueError as e:
+        assert str(e)
+    else:
+        assert sorted(placement.assignment) == sorted(model.layer_names)
+
+
+@given(placement_text)
+@FUZZ
+def test_random_placement_strings_give_a_value_error(text):
+    _placement_or_a_message(lambda model: Placement.parse(text, model))
+
+
+def test_a_layer_range_wider_than_the_model_is_refused_at_once():
+    """Regression: Placement.parse spelled a range out before checking it ('lstm0-999999999'
+    took minutes and gigabytes); now it refuses any range wider than the model first."""
+    with pytest.raises(ValueError, match="layer range 'lstm0-999999999' is wider than the model"):
+        Placement.parse("embed,lstm0-999999999,decode:vgpu0", tiny_model())
+
+
+@given(st.dictionaries(st.sampled_from(["embed", "lstm0", "lstm1", "decode", "lstm9", "", "Embed"]),
+                       st.one_of(st.sampled_from(["vgpu:0", "vgpu1", "vgpu:99", "cuda:0", "cpu", "gpu", ""]),
+                                 st.integers(-3, 3), st.none()), max_size=6))
+@FUZZ
+def test_random_placement_dicts_give_a_value_error(mapping):
+    _placement_or_a_message(lambda model: Placement.from_dict(mapping, model))
+
+
+def test_placement_parse_gives_a_value_error_for_a_bare_device_number():
+    """Regression: Placement.parse(':0') raised IndexError from deep inside."""
+    with pytest.raises(ValueError, match="names no layers"):
+        Placement.parse(":0", tiny_model())

@@ -1,6 +1,11 @@
 """Schedules are data: generators checked against literal tables, the validator, the string form."""
-import pytest
+import math
 
+import pytest
+from hypothesis import given, strategies as st
+
+from conftest import FUZZ, make_batch, tiny_model
+from mpedu.pipeline import Pipeline
 from mpedu.schedules import Action, B, F, Schedule, ScheduleError, W, make, run_order
 
 
@@ -197,3 +202,27 @@ def test_wavefront_speedup_over_naive_with_equal_costs(p, c):
     _, wave_span = _bubble(make("wavefront", list(range(p)), 1, chunks=c), f=1 / c, b=2 / c)
     assert wave_span == pytest.approx(3 * (c + p - 1) / c)
     assert naive_span / wave_span == pytest.approx(p * c / (c + p - 1))
+
+
+# ---------------------------------------------------------------- bad names and counts, fuzzed
+
+NAMES = ["naive", "gpipe", "1f1b", "1F1B", "interleaved", "zb1", "zb", "wavefront", "fastest", "", "gpipe "]
+
+
+whole_or_not = st.one_of(st.integers(-3, 12), st.floats(-2, 9), st.sampled_from([None, "4", True, 2**70]))
+
+
+@given(st.one_of(st.sampled_from(NAMES), st.text(max_size=8), st.integers()), whole_or_not, whole_or_not)
+@FUZZ
+def test_schedule_names_and_counts_give_clear_errors(name, m, chunks):
+    model = tiny_model()
+    batch = make_batch(T=9, B=8)
+    try:
+        with Pipeline(model, "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2,decode:vgpu0", name, m, chunks) as pipe:
+            result = pipe.train_step(batch)
+    except (ValueError, TypeError) as e:
+        text = str(e)
+        assert text and ("schedule" in text or "micro" in text or "chunk" in text or "interleaved" in text), text
+    else:
+        assert math.isfinite(result.loss)
+        assert 8 % m == 0 and chunks <= 9

@@ -1,0 +1,134 @@
+"""The schedule bridge: any validated mpedu Schedule runs in PyTorch's pipeline-order runtime.
+
+mpedu writes a schedule as one ordered action list per device (`0F0 0F1 0B0 ...`, see
+mpedu.schedules); the thread engine and the simulator play exactly those lists. PyTorch's
+pipelining has a runtime that plays per-rank action lists too (the one its looped and
+zero-bubble schedules are built on): it takes compute actions only and inserts the sends
+and receives itself. So the bridge translates action by action:
+
+    mpedu F            -> torch F (FORWARD)
+    mpedu B            -> torch B (FULL_BACKWARD: input and weight gradient), or
+                          torch I (BACKWARD_INPUT) on a stage whose backward is split (zero bubble)
+    mpedu W            -> torch W (BACKWARD_WEIGHT)
+
+and device d becomes pipeline rank d. A schedule a learner writes by hand runs here as soon
+as `Schedule.validate()` accepts it. Refused, with the reason: time chunks (wavefront).
+Torch's runtime indexes work by (stage, micro-batch) and a stage passes one tensor per
+micro-batch; chunk c+1 of a micro-batch starts from the (h, c) state chunk c left behind,
+and chunk c's backward needs the state gradient from chunk c+1. That recurrent state would
+have to travel with the chunks (and between ranks when a stage's next chunk meets its
+neighbour's), which PyTorch's stages, whose outputs must be tensors and which keep nothing
+between actions, cannot express.
+
+The runtime class is PyTorch's `_PipelineScheduleRuntime` (private in torch 2.13, but the base
+of its public ScheduleLoopedBFS, ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+
+from ..schedules import Action, Schedule, ScheduleError, make
+
+RUNTIME = _PipelineScheduleRuntime
+
+
+class ScheduleRefused(ValueError):
+    """A valid mpedu Schedule that PyTorch's pipelining cannot run; the message says why."""
+
+
+def resolve(schedule: str | Schedule, stage_ranks: list[int], micro_batches: int) -> Schedule:
+    """A validated Schedule for these stages: a name is built by mpedu.schedules.make (its names and
+    aliases), a Schedule is checked against the stage layout and micro-batch count, then validated."""
+    if isinstance(schedule, str):
+        return make(schedule, list(stage_ranks), micro_batches)
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a name such as 'gpipe' or an mpedu.schedules.Schedule, "
+                        f"got {type(schedule).__name__}")
+    if list(schedule.stage_devices) != list(stage_ranks):
+        raise ValueError(f"the schedule {schedule.name!r} puts stages on devices {list(schedule.stage_devices)}, "
+                         f"but the placement puts them on ranks {list(stage_ranks)}; write the schedule for "
+                         "this placement (stage s on the device that holds it)")
+    if schedule.micro_batches != micro_batches:
+        raise ValueError(f"the schedule {schedule.name!r} has {schedule.micro_batches} micro-batches but the "
+                         f"pipeline splits each batch into {micro_batches}; pass micro_batches="
+                         f"{schedule.micro_batches}")
+    return schedule.validate()
+
+
+def read_schedule(text: str, stage_ranks: list[int], micro_batches: int, name: str = "by hand") -> Schedule:
+    """A hand-written schedule: one line per device, its actions in order, e.g. for 2 devices
+
+        0F0 0F1 0B0 0B1
+        1F0 1B0 1F1 1B1
+
+    ('#' starts a comment; blank lines are skipped). A stage with W actions has its backward
+    split into B + W; `1F0.1` names time chunk 1. Returned validated (ScheduleError says why not)."""
+    rows = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            rows.append([Action.parse(word) for word in line.replace(",", " ").split()])
+    if len(rows) != max(stage_ranks) + 1:
+        raise ValueError(f"the schedule {name!r} has {len(rows)} device lines but the placement uses "
+                         f"{max(stage_ranks) + 1} devices; write one line of actions per device")
+    split = frozenset(a.stage for row in rows for a in row if a.kind == "W")
+    chunks = 1 + max((a.chunk for row in rows for a in row), default=0)
+    return Schedule(name, tuple(stage_ranks), micro_batches, rows, chunks=chunks, split_backward=split).validate()
+
+
+def schedule_arg(value: str, stage_ranks: list[int], micro_batches: int) -> str | Schedule:
+    """A --schedule value: an existing file holds a hand-written schedule (read_schedule); else a name."""
+    path = Path(value)
+    if path.is_file():
+        return read_schedule(path.read_text(), stage_ranks, micro_batches, name=path.stem)
+    return value
+
+
+def torch_order(schedule: Schedule) -> dict[int, list[_Action]]:
+    """mpedu's per-device action lists as torch's per-rank compute actions (ScheduleRefused if it cannot run)."""
+    if schedule.chunks > 1:
+        raise ScheduleRefused(
+            f"the schedule {schedule.name!r} cuts each micro-batch into {schedule.chunks} time chunks, which "
+            "torch.distributed.pipelining cannot run: chunk c+1 starts from the LSTM state (h, c) that chunk c "
+            "left, and chunk c's backward needs that state's gradient from chunk c+1, but a PyTorch stage passes "
+            "one tensor per (stage, micro-batch) and keeps no state between its actions, so the recurrent state "
+            "cannot travel with the chunks between ranks. Run it with mpedu's threads (python -m mpedu train "
+            "--schedule wavefront) or use a schedule without time chunks (chunks=1)")
+    try:
+        schedule.validate()
+    except ScheduleError as e:
+        raise ValueError(f"the schedule {schedule.name!r} cannot run anywhere: {e}") from None
+
+    def translate(a) -> _Action:
+        if a.kind == "F":
+            kind = _ComputationType.FORWARD
+        elif a.kind == "W":
+            kind = _ComputationType.BACKWARD_WEIGHT
+        elif a.stage in schedule.split_backward:
+            kind = _ComputationType.BACKWARD_INPUT
+        else:
+            kind = _ComputationType.FULL_BACKWARD
+        return _Action(a.stage, kind, a.mb)
+
+    return {d: [translate(a) for a in row] for d, row in enumerate(schedule.actions)}
+
+
+class ActionListSchedule(RUNTIME):
+    """PyTorch's pipeline-order runtime playing an mpedu Schedule's action lists on this rank's stages.
+
+    Built like torch's schedules (stages, n_microbatches, loss_fn, scale_grads); `step()` and
+    `eval()` as theirs. The sends and receives are inserted by torch from the compute order.
+    """
+
+    def __init__(self, stages: list, schedule: Schedule, *, loss_fn, scale_grads: bool = False):
+        order = torch_order(schedule)
+        if len(order) != stages[0].group_size:
+            raise ValueError(f"the schedule {schedule.name!r} is written for {len(order)} devices but the pipeline "
+                             f"group has {stages[0].group_size} ranks")
+        super().__init__(stages, schedule.micro_batches, loss_fn=loss_fn, scale_grads=scale_grads)
+        self.schedule = schedule
+        self.pipeline_order = order
+        # the runtime's lowering pass: checks the order, maps stage -> rank, adds sends and receives
+        self._prepare_schedule_with_comms({d: list(row) for d, row in order.items()})

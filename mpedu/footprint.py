@@ -1,0 +1,223 @@
+"""One model of a device's memory: weights, gradients, optimizer state, the activations a schedule holds at its peak."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from .devices import format_size
+
+# Activation recomputation, per stage (torchgpipe's `checkpoint` modes, GPipe paper section 2.3):
+#   None            keep what autograd saves, from the forward to the backward (no extra time)
+#   "all"           keep only the stage's input; the backward first runs the forward again
+#                   (an "R" box before the B) to rebuild what it needs, then frees it
+#   "all-but-last"  "all", except the last micro-batch (torchgpipe's default). torchgpipe's backward
+#                   runs the micro-batches in reverse, so the last one's backward follows its forward
+#                   at once and re-running it would save nothing. mpedu's GPipe runs them in forward
+#                   order (B0 first): there the last micro-batch's activations stay for the whole
+#                   backward phase, so this mode saves less than "all" (bench/recompute.py measures it)
+MODES = (None, "all", "all-but-last")
+
+
+def recompute_modes(recompute, num_stages: int) -> list[str | None]:
+    """One mode per stage from None, a mode for every stage, or {stage index: mode} (others keep)."""
+    if recompute is None or isinstance(recompute, str):
+        _check_mode(recompute, "recompute")
+        return [recompute] * num_stages
+    if isinstance(recompute, Mapping):
+        modes: list[str | None] = [None] * num_stages
+        for stage, mode in recompute.items():
+            if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+                raise ValueError(f"recompute names stage {stage!r}, but the pipeline has stages 0..{num_stages - 1}; "
+                                 "give {stage index: mode}")
+            _check_mode(mode, f"recompute[{stage}]")
+            modes[stage] = mode
+        return modes
+    if isinstance(recompute, (list, tuple)) and len(recompute) == num_stages:
+        for s, mode in enumerate(recompute):
+            _check_mode(mode, f"recompute[{s}]")
+        return list(recompute)
+    raise ValueError(f"recompute={recompute!r}: give None, 'all', 'all-but-last', or a dict {{stage: mode}}")
+
+
+def parse_recompute(text: str):
+    """--recompute text: "none", "all", "all-but-last", or per stage "0=all,2=all-but-last"."""
+    text = text.strip()
+    if "=" not in text:
+        mode = None if text == "none" else text
+        _check_mode(mode, "--recompute")
+        return mode
+    modes = {}
+    for item in text.split(","):
+        stage, _, mode = (part.strip() for part in item.partition("="))
+        if not stage.isdigit():
+            raise ValueError(f"--recompute {item!r}: write STAGE=MODE with a stage number, e.g. 0=all")
+        modes[int(stage)] = None if mode == "none" else mode
+        _check_mode(modes[int(stage)], f"--recompute stage {stage}")
+    return modes
+
+
+def _check_mode(mode, what: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"{what}={mode!r} is not a recomputation mode; choose None (keep activations), "
+                         "'all' (recompute every micro-batch) or 'all-but-last'")
+
+
+def recomputes(mode: str | None, mb: int, micro_batches: int) -> bool:
+    """Whether micro-batch `mb` of a stage in this mode re-runs its forward during its backward."""
+    return mode == "all" or (mode == "all-but-last" and mb != micro_batches - 1)
+
+
+@dataclass
+class Footprint:
+    """Bytes one device holds for a training step. Activations change during the step; this is their peak."""
+
+    device: str
+    weights: int
+    gradients: int
+    optimizer_state: int
+    activations: int        # the most activation bytes held at once (with the recomputation's own peak)
+    in_flight: int          # the most (micro-batch, chunk) units held at once
+    cap: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_state + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.cap is None or self.total <= self.cap
+
+    def parts(self) -> str:
+        held = f"{self.in_flight} micro-batch{'es' if self.in_flight != 1 else ''}"
+        optimizer = f" + optimizer state {format_size(self.optimizer_state)}" if self.optimizer_state else ""
+        return (f"parameters {format_size(self.weights)} + gradients {format_size(self.gradients)}{optimizer} + "
+                f"activations {format_size(self.activations)} ({held} held at once)")
+
+    def __str__(self) -> str:
+        cap = f", cap {format_size(self.cap)}" if self.cap is not None else ""
+        return f"{self.device}: {format_size(self.total)} = {self.parts()}{cap}"
+
+
+def peak_held(row, unit_bytes: Callable[[int, int], tuple[float, float]], split=()) -> tuple[float, int]:
+    """The one loop that counts what a schedule holds: walk one device's actions in the order it runs
+    them and return (most bytes held at once, most units held at once).
+
+    unit_bytes(stage, mb) -> (kept, full): what a (micro-batch, chunk) unit holds from its F to its
+    backward, and while its backward runs. kept == full without recomputation; with it, kept is the
+    stage's input and the backward first rebuilds `full`. A unit is freed by its B, or by its W on a
+    stage in `split` (zero-bubble: B keeps the graph for W).
+    """
+    held = peak = 0.0
+    units = peak_units = 0
+    holding: dict = {}
+    for a in row:
+        key = (a.stage, a.mb, a.chunk)
+        if a.kind == "F":
+            kept, _ = unit_bytes(a.stage, a.mb)
+            holding[key] = kept
+            held += kept
+            units += 1
+            peak_units = max(peak_units, units)
+        elif a.kind == "B":
+            kept, full = unit_bytes(a.stage, a.mb)
+            if full != kept and key in holding:          # the re-run forward rebuilds the saved tensors
+                held += full - holding[key]
+                holding[key] = full
+            peak = max(peak, held)
+            if a.stage not in split and key in holding:
+                held -= holding.pop(key)
+                units -= 1
+        elif a.kind == "W" and key in holding:
+            held -= holding.pop(key)
+            units -= 1
+        peak = max(peak, held)
+    return peak, peak_units
+
+
+def unit_bytes(stage_costs, modes, micro_batches: int, chunks: int = 1):
+    """unit_bytes(stage, mb) -> (kept, full) for peak_held, from StageCosts of one full-sequence micro-batch."""
+    def sizes(s: int, mb: int) -> tuple[float, float]:
+        c = stage_costs[s]
+        full = c.activation_bytes / chunks
+        if not recomputes(modes[s], mb, micro_batches):
+            return full, full
+        # held between F and B: the input only; while the backward runs, the rebuilt activations
+        # and the input (counted once where the first layer saves the input itself)
+        kept = c.input_bytes / chunks
+        return kept, full + kept - min(c.input_saved_bytes / chunks, kept)
+    return sizes
+
+
+def device_footprints(costs, placement, schedule, recompute=None, optimizer_bytes_per_param: float = 0.0,
+                      optimizer_state: Mapping[str, int] | None = None,
+                      caps: Mapping[str, int] | None = None, chunk_costs=None) -> list[Footprint]:
+    """Footprint per device (in placement.devices order) of a training step that runs `schedule`
+    over `placement`, from per-layer `costs` (mpedu.profile.Costs of one full-sequence micro-batch).
+
+    weights: the stage's parameters (a tied weight once: see param_sizes); gradients: one tensor per
+    trainable weight; optimizer state: `optimizer_bytes_per_param` bytes per byte of trainable
+    weights (SGD 0, momentum 1, Adam 2), or the bytes `optimizer_state` gives per device;
+    activations: the peak of peak_held over the device's actions, a unit (micro-batch, time chunk)
+    holding 1/chunks of a micro-batch's. `recompute` as for Pipeline (see recompute_modes).
+
+    With time chunks (wavefront) a chunk saves more than 1/chunks of the whole sequence (each
+    chunk's recurrent state comes in and is saved again): `chunk_costs`, profiled on one chunk's
+    length (the batch cut to its first T/c steps), gives a unit's bytes as measured.
+    """
+    stage_costs = costs.stages(placement)
+    stages = placement.stages
+    if len(stage_costs) != schedule.num_stages:
+        raise ValueError(f"the placement has {len(stage_costs)} stages but schedule {schedule.name!r} has "
+                         f"{schedule.num_stages}; build the schedule from placement.stage_devices")
+    modes = recompute_modes(recompute, len(stages))
+    sizes = (unit_bytes(chunk_costs.stages(placement), modes, schedule.micro_batches, 1) if chunk_costs is not None
+             else unit_bytes(stage_costs, modes, schedule.micro_batches, schedule.chunks))
+    names = [d.name for d in placement.devices]
+    fixed = {name: [0, 0] for name in names}
+    for (device, _), c in zip(stages, stage_costs):
+        fixed[device.name][0] += c.param_bytes
+        fixed[device.name][1] += c.trainable_bytes
+    out = []
+    for name, row in zip(names, schedule.actions):
+        peak, units = peak_held(row, sizes, schedule.split_backward)
+        weights, grads = fixed[name]
+        opt = (optimizer_state[name] if optimizer_state is not None and name in optimizer_state
+               else int(round(optimizer_bytes_per_param * grads)))
+        out.append(Footprint(name, weights, grads, opt, int(round(peak)), units,
+                             caps.get(name) if caps else None))
+    return out
+
+
+def stage_footprint(stage_cost, row, stage: int, mode: str | None, micro_batches: int, chunks: int = 1,
+                    split=(), device: str = "", optimizer_bytes_per_param: float = 0.0) -> Footprint:
+    """The Footprint of one stage alone on a device that runs `row` (its actions, as stage `stage` of a
+    schedule): for partitioners that try a stage's layers before a placement exists."""
+    modes = {stage: mode}
+    peak, units = peak_held(row, unit_bytes({stage: stage_cost}, modes, micro_batches, chunks), split)
+    return Footprint(device, stage_cost.param_bytes, stage_cost.trainable_bytes,
+                     int(round(optimizer_bytes_per_param * stage_cost.trainable_bytes)), int(round(peak)), units)
+
+
+def unique_params(model, names=None):
+    """(layer name, parameter) for each distinct weight of `model`'s layers `names`, in layer order. A
+    weight shared by several layers (tied embedding and decoder) comes once, with the first layer
+    holding it: the one place ties are de-duplicated, by storage (two Parameter objects viewing one
+    storage are one tensor in memory)."""
+    seen: set[tuple[str, int]] = set()
+    for name in (list(names) if names is not None else model.layer_names):
+        for p in model.layers[name].parameters():
+            key = (str(p.device), p.untyped_storage().data_ptr())
+            if key not in seen:
+                seen.add(key)
+                yield name, p
+
+
+def param_sizes(model, names=None) -> tuple[list[int], list[int]]:
+    """(parameter bytes, trainable bytes) per layer of `model`, a tied weight once (see unique_params)."""
+    names = list(names) if names is not None else model.layer_names
+    params, trainable = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    for name, p in unique_params(model, names):
+        nbytes = p.numel() * p.element_size()
+        params[name] += nbytes
+        trainable[name] += nbytes if p.requires_grad else 0
+    return list(params.values()), list(trainable.values())

@@ -1,0 +1,518 @@
+"""Plan memory and time together: the Pareto front of partition x schedule x micro-batches x recomputation.
+
+    plans = plan(model, batch, ["vgpu:0", "vgpu:1"], memory_cap="60MB")
+    print(plans)                      # the front: no plan both faster and smaller than another
+    plans.best                        # the fastest plan that fits the cap
+    plans.measure(model, batch)       # run the top plans for real: did the ranking hold?
+
+Letters as in mpedu.schedules: p devices, n stages, m micro-batches, b = B / m columns
+per micro-batch. Every candidate is predicted, never run: its step time by
+mpedu.simulate on profiled per-layer costs (a CostCurve, so each m gets the costs of
+its own micro-batch width), its memory per device by the footprint model.
+
+The search is exact but pruned. Two cheap lower bounds come first: on the step time
+(a device must wait for micro-batch 0 to reach its first stage, do all its work, then
+let the last gradient go back; naive runs m whole trips; devices sharing cores share
+the work), and on the memory (weights, gradients and the units held after each forward
+at the bytes they keep). Candidates are visited in order of their time bound, and one is
+simulated, with its footprint from the one memory model (mpedu.footprint), only if no
+candidate already simulated is both at least as fast as its bound and at most as large:
+anything skipped is dominated, so the front is the one simulating every candidate gives
+(tests/test_planner.py checks that against brute force).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from .devices import format_size, get_device, get_devices, parse_size
+from .footprint import device_footprints
+from .placement import Placement
+from .profile import Costs, CostCurve, StageCost, profile_curve
+from .schedules import Schedule, make as make_schedule
+from .simulate import simulate
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1", "wavefront")
+RECOMPUTE = (None, "all", "all-but-last")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a step: where the layers go, in what order, in how many pieces, with what kept."""
+
+    placement: Placement
+    schedule: str
+    micro_batches: int
+    chunks: int
+    recompute: str | None
+    step_s: float                   # predicted seconds per training step
+    device_bytes: tuple[int, ...]   # predicted peak bytes per device (weights, gradients, activations)
+    fits: bool = True               # every device within the memory cap
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest device's footprint: what a cap must allow."""
+        return max(self.device_bytes)
+
+    @property
+    def label(self) -> str:
+        chunks = f" c={self.chunks}" if self.chunks > 1 else ""
+        rc = f" recompute={self.recompute}" if self.recompute else ""
+        return f"{self.schedule} m={self.micro_batches}{chunks}{rc}"
+
+    def pipeline(self, model, **kwargs):
+        """A Pipeline that runs this candidate (extra keyword arguments go to Pipeline)."""
+        from .pipeline import Pipeline
+        if self.recompute is not None:
+            kwargs["recompute"] = self.recompute
+        return Pipeline(model, self.placement, self.schedule, self.micro_batches, chunks=self.chunks, **kwargs)
+
+    def __str__(self) -> str:
+        return (f"{self.label:<40} {self.step_s * 1e3:9.1f} ms  peak {format_size(self.peak_bytes):>9}  "
+                f"{self.placement}")
+
+
+@dataclass
+class Measurement:
+    """Candidates run for real beside their predictions."""
+
+    rows: list[dict]                # label, placement, predicted_s, measured_s (median), error, steps_s (each round)
+    kendall_tau: float              # +1: the measured order is the predicted order
+
+    @property
+    def worst_error(self) -> float:
+        return max(abs(r["error"]) for r in self.rows)
+
+    def table(self) -> str:
+        lines = [f"{'plan':<40}{'predicted ms':>13}{'measured ms':>12}{'error':>8}"]
+        for r in self.rows:
+            lines.append(f"{r['label']:<40}{r['predicted_s'] * 1e3:>13.1f}{r['measured_s'] * 1e3:>12.1f}"
+                         f"{r['error']:>+8.1%}")
+        lines.append(f"Kendall tau of the ranking {self.kendall_tau:+.2f}; worst error {self.worst_error:.1%}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+@dataclass
+class Plans:
+    """The Pareto front of a search (fastest first) and the fastest candidate under the cap."""
+
+    front: list[Candidate]
+    best: Candidate | None
+    memory_cap: int | None
+    searched: int                   # candidates considered
+    simulated: list[Candidate] = field(default_factory=list)   # every candidate simulated, fastest first
+    seconds: float = 0.0            # time the search took (profiling not included)
+    # the candidates the search did not need to simulate, by time bound, and simulate's link and cores:
+    # top() simulates more of them when it needs more plans that fit
+    pending: list = field(default_factory=list, repr=False)
+    simulate_args: tuple = (None, None)
+
+    def table(self) -> str:
+        cap = f"memory cap {format_size(self.memory_cap)}" if self.memory_cap else "no memory cap"
+        lines = [f"Pareto front of {self.searched} candidates ({len(self.simulated)} simulated, "
+                 f"{self.seconds * 1e3:.0f} ms), {cap}:"]
+        for c in self.front:
+            mark = "*" if c is self.best else " " if c.fits else "x"
+            lines.append(f" {mark} {c}")
+        lines.append("* the fastest that fits" + ("; x over the cap" if self.memory_cap else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def top(self, k: int = 5) -> list[Candidate]:
+        """The k candidates to measure: the front's points that fit, fastest first, then the fastest
+        other plans that fit (simulating candidates the search skipped, if it must)."""
+        chosen = [c for c in self.front if c.fits][:k]
+        for c in self.fastest_fitting(k):
+            if len(chosen) >= k:
+                break
+            if all(c is not d for d in chosen):
+                chosen.append(c)
+        return sorted(chosen, key=lambda c: c.step_s)
+
+    def fastest_fitting(self, k: int) -> list[Candidate]:
+        """The k fastest plans within the cap, exactly: skipped candidates are simulated, in order of
+        their time bound, until none left could be faster than the k-th."""
+        link, cores = self.simulate_args
+        while self.pending:
+            fits = [c for c in self.simulated if c.fits]
+            if len(fits) >= k and fits[k - 1].step_s <= self.pending[0].bound:
+                break
+            option = self.pending.pop(0)
+            if self.memory_cap is None or option.memory_floor <= self.memory_cap:
+                bisect.insort(self.simulated, _predict(option, link, cores, self.memory_cap),
+                              key=lambda c: (c.step_s, c.peak_bytes))
+        return [c for c in self.simulated if c.fits][:k]
+
+    def spread(self, k: int = 4) -> list[Candidate]:
+        """k plans from the front that fit, from the fastest to the smallest, evenly spaced along it: a
+        ranking test among plans that differ, where the top k may all be within noise of each other."""
+        fitting = [c for c in self.front if c.fits]
+        if len(fitting) <= k:
+            return fitting
+        return [fitting[round(i * (len(fitting) - 1) / (k - 1))] for i in range(k)]
+
+    def measure(self, model, batch, top: int = 5, steps: int = 3, warmup: int = 1,
+                candidates: list[Candidate] | None = None) -> Measurement:
+        """Run the `top` candidates for real (median of `steps` steps after `warmup`), one step of each
+        in turn per round so that drifting load falls on all alike; compare with the predictions."""
+        chosen = candidates if candidates is not None else self.top(top)
+        if len(chosen) < 2:
+            raise ValueError(f"only {len(chosen)} candidate(s) to measure; a ranking needs two or more "
+                             "(raise the memory cap, or allow more schedules)")
+        pipes = [c.pipeline(model) for c in chosen]
+        times = [[] for _ in chosen]
+        try:
+            for r in range(warmup + steps):
+                for k, pipe in enumerate(pipes):
+                    model.zero_grad(set_to_none=True)
+                    span = pipe.train_step(batch).timeline.makespan
+                    if r >= warmup:
+                        times[k].append(span)
+        finally:
+            for pipe in pipes:
+                pipe.close()
+            model.zero_grad(set_to_none=True)
+        rows = []
+        for c, ts in zip(chosen, times):
+            measured = statistics.median(ts)
+            rows.append({"label": c.label, "placement": str(c.placement), "predicted_s": c.step_s,
+                         "measured_s": measured, "error": c.step_s / measured - 1, "steps_s": ts})
+        return Measurement(rows, kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]))
+
+    def plot(self, ax=None, measured: Measurement | None = None):
+        """Peak memory against step time: every simulated candidate (grey), the front (line), the best
+        (star), the cap (dashed), and measured points beside their predictions when given."""
+        import matplotlib.pyplot as plt
+        if ax is None:
+            _, ax = plt.subplots(figsize=(7, 4))
+        ax.scatter([c.step_s * 1e3 for c in self.simulated], [c.peak_bytes / 1e6 for c in self.simulated],
+                   s=10, color="0.75", label="simulated candidates")
+        ax.plot([c.step_s * 1e3 for c in self.front], [c.peak_bytes / 1e6 for c in self.front], "o-",
+                color="C0", label="Pareto front (predicted)")
+        if self.best is not None:
+            ax.plot([self.best.step_s * 1e3], [self.best.peak_bytes / 1e6], "*", color="C3", markersize=14,
+                    label=f"fastest that fits: {self.best.label}")
+        if self.memory_cap:
+            ax.axhline(self.memory_cap / 1e6, color="C3", linestyle="--", linewidth=1, label="memory cap")
+        if measured is not None:
+            by_label = {(c.label, str(c.placement)): c for c in self.simulated + self.front}
+            for r in measured.rows:
+                c = by_label.get((r["label"], r["placement"]))
+                if c is None:
+                    continue
+                y = c.peak_bytes / 1e6
+                ax.plot([r["predicted_s"] * 1e3, r["measured_s"] * 1e3], [y, y], color="C1", linewidth=1)
+                ax.plot([r["measured_s"] * 1e3], [y], "s", color="C1", markersize=6)
+            ax.plot([], [], "s-", color="C1", label="measured (same memory)")
+        ax.set_xlabel("step time (ms)")
+        ax.set_ylabel("peak memory of the largest device (MB)")
+        ax.legend(fontsize=8)
+        return ax
+
+
+def predict(candidate: Candidate, costs: CostCurve, T: int, B: int, link=None, cores=None) -> float:
+    """A candidate's step time on (T, B) batches predicted again, from other costs (a fresh profile, or
+    another bucket length)."""
+    m, chunks = candidate.micro_batches, candidate.chunks
+    schedule = make_schedule(candidate.schedule, candidate.placement.stage_devices, m, chunks)
+    return simulate(schedule, costs.at(T, B // m, chunks), candidate.placement, link=link, cores=cores,
+                    recompute=candidate.recompute).makespan
+
+
+def kendall_tau(a, b) -> float:
+    """Kendall's tau-b between two orderings of the same items (ties count as neither)."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"kendall_tau needs two lists of one equal length >= 2, got {len(a)} and {len(b)}")
+    concordant = discordant = ties_a = ties_b = 0
+    for i, j in itertools.combinations(range(len(a)), 2):
+        x, y = (a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])
+        if x == 0 and y == 0:
+            continue
+        if x == 0:
+            ties_a += 1
+        elif y == 0:
+            ties_b += 1
+        elif x == y:
+            concordant += 1
+        else:
+            discordant += 1
+    n = concordant + discordant
+    denominator = ((n + ties_a) * (n + ties_b)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else 0.0
+
+
+# -- the search --------------------------------------------------------------------------------------
+def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None = None, *,
+         schedules: tuple[str, ...] = SCHEDULES, recompute: tuple = RECOMPUTE, micro_batches=None,
+         chunks: tuple[int, ...] = (2, 4), cores: float | None = None, link=None, **profile_args) -> Plans:
+    """Search partitions, schedules, micro-batch counts and recomputation for `model` on `batch`
+    over `devices` (a count or names), and return the Pareto front of step time against the
+    largest device's peak memory.
+
+    memory_cap: bytes (or "60MB") every device may hold; the fastest candidate within it is
+    `Plans.best`. costs: a CostCurve (profile_curve) or one Costs (then other micro-batch
+    widths are scaled in proportion); None profiles every width the search needs on the first
+    device (slow for big models: profile once and pass it). micro_batches: the counts to try
+    (default: every divisor of the batch width). cores and link go to simulate.
+    """
+    T, B = batch.inputs.shape
+    devs = get_devices(devices) if isinstance(devices, int) else [get_device(d) for d in devices]
+    p = len(devs)
+    names = list(model.layer_names)
+    n = len(names)
+    if p > n:
+        raise ValueError(f"{p} devices but the model has {n} layers: every device needs one; use at most {n}")
+    if p > 1 and getattr(model.config, "tie_weights", False):
+        raise ValueError("the model ties embed and decode weights, so both must sit on one device, which no "
+                         f"split over {p} devices in layer order allows; build it with tie_weights=False")
+    ms = sorted(set(micro_batches)) if micro_batches else [d for d in range(1, B + 1) if B % d == 0]
+    bad = [m for m in ms if m < 1 or B % m]
+    if bad:
+        raise ValueError(f"micro_batches={bad[0]} does not divide the batch width {B}; "
+                         f"use divisors such as {[d for d in range(1, B + 1) if B % d == 0]}")
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"unknown schedule {unknown[0]!r}; the planner knows {', '.join(SCHEDULES)}")
+    cap = parse_size(memory_cap) if isinstance(memory_cap, str) else memory_cap
+    if costs is None:
+        widths = [B // m for m in ms]
+        lengths = [T // c for c in chunks if c <= T] if "wavefront" in schedules else []
+        costs = profile_curve(model, batch, devs[0], widths=widths, lengths=lengths, length_widths=widths,
+                              **profile_args)
+    curve = costs if isinstance(costs, CostCurve) else CostCurve([costs], [])
+    if curve.names != names:
+        raise ValueError(f"the costs cover layers {curve.names}, the model has {names}: profile this model")
+
+    start = time.perf_counter()
+    candidates = list(_enumerate(names, devs, ms, curve, schedules, recompute, chunks, T, B, cores))
+    candidates.sort(key=lambda c: (c.bound, c.memory_floor))
+    simulated: list[Candidate] = []
+    # every simulated candidate's step time, sorted, and the smallest peak among those up to each one
+    times: list[float] = []
+    smallest_so_far: list[float] = []
+
+    def dominated(bound, memory):
+        """Has a simulated candidate taken at most `bound` seconds with at most `memory` bytes?"""
+        i = bisect.bisect_right(times, bound)
+        return i > 0 and smallest_so_far[i - 1] <= memory
+
+    def keep(step, peak):
+        i = bisect.bisect_right(times, step)
+        times.insert(i, step)
+        smallest_so_far.insert(i, min(peak, smallest_so_far[i - 1]) if i else peak)
+        for j in range(i + 1, len(times)):
+            if smallest_so_far[j] <= smallest_so_far[j - 1]:
+                break
+            smallest_so_far[j] = smallest_so_far[j - 1]
+
+    pending: list[_Option] = []                         # skipped: dominated by a simulated candidate
+    for c in candidates:
+        if dominated(c.bound, c.memory_floor):
+            pending.append(c)                           # something simulated is as fast and as small
+            continue
+        totals = _footprint(c)
+        if dominated(c.bound, max(totals)):
+            pending.append(c)
+            continue
+        simulated.append(_predict(c, link, cores, cap, totals))
+        keep(simulated[-1].step_s, max(totals))
+    simulated.sort(key=lambda c: (c.step_s, c.peak_bytes))
+    front, smallest = [], float("inf")
+    for c in simulated:                                 # fastest first: on the front iff smaller than all faster
+        if c.peak_bytes < smallest:
+            front.append(c)
+            smallest = c.peak_bytes
+    fitting = [c for c in front if c.fits]
+    plans = Plans(front, fitting[0] if fitting else None, cap, len(candidates), simulated,
+                  time.perf_counter() - start, pending, (link, cores))
+    if plans.best is None:
+        small = front[-1]
+        raise ValueError(f"no plan fits memory_cap={format_size(cap)} on {p} devices: the smallest footprint "
+                         f"found is {format_size(small.peak_bytes)} ({small.label}, '{small.placement}'). "
+                         f"Raise the cap to at least {format_size(small.peak_bytes)}, use more devices, or a "
+                         "smaller batch or shorter buckets"
+                         + ("" if "all" in recompute else "; or allow recomputation: recompute=(None, 'all')"))
+    return plans
+
+
+@dataclass
+class _Option:
+    """A candidate before simulation: its schedule, stage costs, and lower bounds on its time and memory."""
+
+    placement: Placement
+    schedule_obj: Schedule
+    m: int
+    chunks: int
+    recompute: str | None
+    costs: Costs
+    stage_costs: list[StageCost]
+    memory_floor: int               # <= the footprint model's peak (exact without recomputation)
+    bound: float                    # <= the simulated step time
+
+
+def _compositions(n: int, k: int):
+    """Every way to cut n layers into k non-empty runs, as run lengths."""
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = (0,) + cuts + (n,)
+        yield [edges[i + 1] - edges[i] for i in range(k)]
+
+
+def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options, T, B, cores):
+    p, n = len(devs), len(names)
+    layouts = [(list(range(p)), counts) for counts in _compositions(n, p)]
+    interleaved = []
+    if p > 1 and n >= 2 * p:                            # v = 2 stages per device, dealt round-robin
+        interleaved = [([s % p for s in range(2 * p)], counts) for counts in _compositions(n, 2 * p)]
+    shapes: dict = {}
+    for m in ms:
+        for name in schedule_names:
+            if name == "interleaved":
+                if m % p or not interleaved:
+                    continue
+                pool, chunk_list = interleaved, [1]
+            else:
+                pool, chunk_list = layouts, ([c for c in chunk_options if c <= T] if name == "wavefront" else [1])
+            for chunks in chunk_list:
+                costs = curve.at(T, B // m, chunks)             # with time chunks: what one chunk costs
+                stage_cache = shapes.setdefault(("stages", m, chunks), {})
+                for stage_devices, counts in pool:
+                    key = (name, tuple(stage_devices), m, chunks)
+                    if key not in shapes:
+                        sched = make_schedule(name, stage_devices, m, chunks)
+                        shapes[key] = (sched, _held(sched))
+                    sched, held = shapes[key]
+                    groups, stage_costs, at = [], [], 0
+                    for c in counts:
+                        groups.append(names[at:at + c])
+                        if (at, c) not in stage_cache:          # a run of layers costs the same in every plan
+                            stage_cache[at, c] = costs.stages([groups[-1]])[0]
+                        stage_costs.append(stage_cache[at, c])
+                        at += c
+                    placement = Placement(names, {nm: devs[d] for d, g in zip(stage_devices, groups) for nm in g})
+                    for rc in recompute:
+                        if rc == "all-but-last" and m == 1:
+                            continue                    # its one micro-batch is the last: the same as None
+                        yield _Option(placement, sched, m, chunks, rc, costs, stage_costs,
+                                      _memory_floor(stage_costs, stage_devices, held, rc, chunks),
+                                      _bound(sched, stage_costs, p, cores, rc))
+
+
+def _held(schedule: Schedule) -> list[list[list[tuple[int, int]]]]:
+    """Per device, the (micro-batch, chunk) units each of its stages holds just after each forward,
+    as [(stage, units), ...] over the device's own stages, keeping only those no other one covers."""
+    out = []
+    for d, row in enumerate(schedule.actions):
+        own = sorted({a.stage for a in row})
+        held, seen = dict.fromkeys(own, 0), set()
+        for a in row:
+            if a.kind == "F":
+                held[a.stage] += 1
+                seen.add(tuple(held[s] for s in own))
+            elif a.kind == "W" or a.stage not in schedule.split_backward:
+                held[a.stage] -= 1
+        top = [v for v in seen if not any(w != v and all(x >= y for x, y in zip(w, v)) for w in seen)]
+        out.append([list(zip(own, v)) for v in top])
+    return out
+
+
+def _memory_floor(stage_costs, stage_devices, held, recompute, chunks) -> int:
+    """A cheap lower bound on the largest device's footprint (mpedu.footprint has the real count):
+    weights, gradients, and the units held after each forward at the bytes they keep (all of their
+    activations, or with recomputation their input only). Without recomputation this is the peak."""
+    def kept(c):
+        return (c.activation_bytes if recompute is None else min(c.input_bytes, c.activation_bytes)) / chunks
+
+    worst = 0.0
+    for d, vectors in enumerate(held):
+        fixed = sum(c.param_bytes + c.trainable_bytes for s, c in enumerate(stage_costs) if stage_devices[s] == d)
+        act = max((sum(units * kept(stage_costs[s]) for s, units in v) for v in vectors), default=0.0)
+        worst = max(worst, fixed + act)
+    return int(worst)
+
+
+def _bound(schedule, stage_costs, p, cores, recompute) -> float:
+    """A lower bound on the step time, from what must happen whatever the order:
+    - device d cannot start before micro-batch 0 has gone forward through the stages before its first
+      stage (head), must do all its work, and after its last fused backward the gradient must still go
+      back through those stages (tail; 0 where a W may come last);
+    - naive runs one micro-batch's whole trip after another: m trips;
+    - devices sharing `cores` cores: all the work spread over them.
+    Recomputation adds a forward per recomputed micro-batch. With time chunks the head, tail and
+    trip are one chunk's (cost / chunks)."""
+    split, m, chunks = schedule.split_backward, schedule.micro_batches, schedule.chunks
+    again = {None: 0, "all": m, "all-but-last": m - 1}[recompute]
+    work = [0.0] * p
+    first = [None] * p
+    for s, c in enumerate(stage_costs):
+        d = schedule.stage_devices[s]
+        back = c.backward_input + c.backward_weight if s in split else c.backward
+        work[d] += m * (c.forward + back) + again * c.forward
+        first[d] = s if first[d] is None else first[d]
+    fwd = [0.0]                                         # fwd[s]: one chunk's forward through stages < s
+    bwd = [0.0]
+    for s, c in enumerate(stage_costs):
+        fwd.append(fwd[-1] + c.forward / chunks)
+        bwd.append(bwd[-1] + (c.backward_input if s in split else c.backward) / chunks)
+    bound = 0.0
+    for d in range(p):
+        s = first[d]
+        tail = bwd[s] if not split and schedule.name != "interleaved" else 0.0
+        bound = max(bound, fwd[s] + work[d] + tail)
+    bound = max(bound, fwd[-1] + bwd[-1])
+    if schedule.name == "naive":
+        bound = max(bound, m * (fwd[-1] + bwd[-1]) + again * fwd[-1])
+    if cores is not None and cores < p:
+        bound = max(bound, sum(work) / cores)
+    return bound
+
+
+def _footprint(option: _Option) -> tuple[int, ...]:
+    """Peak bytes per device, from the one memory model."""
+    return tuple(f.total for f in device_footprints(option.costs, option.placement, option.schedule_obj,
+                                                    recompute=option.recompute))
+
+
+def _predict(option: _Option, link, cores, cap, totals=None) -> Candidate:
+    """Simulate one candidate: its predicted step time and footprint, and whether it fits the cap."""
+    totals = totals if totals is not None else _footprint(option)
+    return Candidate(option.placement, option.schedule_obj.name, option.m, option.chunks, option.recompute,
+                     _simulate(option, link, cores), totals, cap is None or max(totals) <= cap)
+
+
+def _simulate(option: _Option, link, cores) -> float:
+    """The predicted makespan (simulate charges each recomputed micro-batch's re-run forward)."""
+    return simulate(option.schedule_obj, option.stage_costs, option.placement, link=link, cores=cores,
+                    recompute=option.recompute).makespan
+
+
+def plan_buckets(model, batches, devices, curve: CostCurve, memory_cap=None, **plan_args) -> dict:
+    """The fastest plan within the cap for each bucket length of `batches` (a BucketIterator, Batches
+    or (T, B) shapes): {T: Candidate}. Costs come from `curve` at each length, so short buckets may
+    prefer more micro-batches or another schedule. Hand the result to simulate.predict_epoch."""
+    widths: dict = {}
+    for b in batches:
+        T, B = tuple(b.inputs.shape) if hasattr(b, "inputs") else tuple(b)
+        widths.setdefault(T, {}).setdefault(B, 0)
+        widths[T][B] += 1
+    choice = {}
+    for T, counts in sorted(widths.items()):
+        B = max(counts, key=counts.get)                 # the bucket's usual width (its last batch may be short)
+        shape = _Shape(T, B)
+        choice[T] = plan(model, shape, devices, memory_cap, costs=curve, **plan_args).best
+    return choice
+
+
+class _Shape:
+    """What plan reads of a batch: its shape, (T, B)."""
+
+    def __init__(self, T: int, B: int):
+        import torch
+        self.inputs = torch.empty((T, B), dtype=torch.long)

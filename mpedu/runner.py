@@ -1,0 +1,88 @@
+"""The runner contract: what one step reports, which batches a runner accepts, and the protocol
+SingleDevice, Pipeline and the torchrun pipeline share. The ground floor: executors import this,
+never the training loop."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class StepResult:
+    """What one training or evaluation step reports; gradients stay in the model."""
+
+    loss: float                  # nll_sum / tokens for this batch
+    nll_sum: float
+    tokens: int
+    timeline: object | None = None
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the training loop needs from whatever runs a step (one device, threads, or torchrun ranks).
+
+    train_step accumulates the mean NLL's gradients into the model's `.grad` (the caller zeroes
+    them and steps the optimizer); eval_step computes without gradients. Both refuse a batch
+    check_batch refuses. reset_state forgets recurrent state carried between batches (stream mode).
+    Dropout masks are those of mpedu.dropout's Position(dropout_seed, dropout_step); a train_step
+    counts dropout_step up, and the loop sets it from the global step so a resumed run matches.
+    A runner that splits batches into m micro-batches says so in `micro_batches` (else 1 is assumed).
+    """
+
+    dropout_seed: int
+    dropout_step: int
+
+    def train_step(self, batch) -> StepResult: ...
+
+    def eval_step(self, batch) -> StepResult: ...
+
+    def reset_state(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_batch(batch, vocab_size: int) -> None:
+    """Refuse a batch the model cannot read, naming what is wrong, before torch fails deep inside.
+
+    Two min/max reductions per step: cheap next to the step itself.
+    """
+    inputs, targets, mask = (getattr(batch, k, None) for k in ("inputs", "targets", "mask"))
+    if not all(torch.is_tensor(t) for t in (inputs, targets, mask)):
+        raise TypeError(f"expected a Batch with tensors inputs, targets and mask, got {type(batch).__name__}; "
+                        "make batches with BucketIterator or StreamIterator")
+    if inputs.dim() != 2 or inputs.shape != targets.shape or mask.shape != targets.shape or inputs.numel() == 0:
+        raise ValueError(f"a batch needs inputs, targets and mask of one (T, B) shape with T, B >= 1; got "
+                         f"{tuple(inputs.shape)}, {tuple(targets.shape)} and {tuple(mask.shape)}")
+    for what, t in (("inputs", inputs), ("targets", targets)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"batch {what} must be integer token ids, got dtype {t.dtype}")
+    lo, hi = min(int(inputs.min()), int(targets.min())), max(int(inputs.max()), int(targets.max()))
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"the batch holds token id {bad}, but the model's vocabulary has ids 0..{vocab_size - 1}; "
+                         "were the batches made with another vocabulary?")
+    if int(mask.sum()) == 0:
+        raise ValueError("the batch has no real (non-padding) target tokens")
+
+
+def fit_width(batch, micro_batches: int):
+    """Pad the batch dimension with empty columns (all <pad>, no targets) up to a multiple of m.
+
+    A pipeline splits a (T, B) batch into m micro-batches of B/m columns, but a bucket's last
+    batch can be narrower. Empty columns add no tokens, no loss and no gradient (columns are
+    independent), so the step's result is that of the narrow batch; they only cost compute.
+    """
+    extra = -batch.inputs.shape[1] % micro_batches
+    if not extra:
+        return batch
+    pad = batch.inputs.new_zeros((batch.inputs.shape[0], extra))  # (T, extra) of <pad> (id 0)
+    return replace(batch, inputs=torch.cat([batch.inputs, pad], 1), targets=torch.cat([batch.targets, pad], 1),
+                   mask=torch.cat([batch.mask, pad.bool()], 1))
+
+
+def fitted(runner, batch):
+    """`batch` padded to a width `runner` can split into its micro-batches (unchanged for one)."""
+    m = getattr(runner, "micro_batches", 1)
+    return fit_width(batch, m) if m > 1 else batch

@@ -1,0 +1,75 @@
+"""Memory caps: the estimate against the measured peak, a cap refused before the step, what fits."""
+import math
+
+import pytest
+
+import mpedu.__main__ as cli
+from conftest import make_batch, tiny_model
+from mpedu.capacity import MemoryCapError
+from mpedu.pipeline import Pipeline
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
+
+
+TWO = "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"          # the tiny config has lstm0, lstm1
+
+
+# ---------------------------------------------------------------- memory caps
+
+def test_the_memory_estimate_matches_the_measured_activation_peak():
+    batch = make_batch(B=16)
+    for schedule in ("gpipe", "1f1b", "zb1"):
+        with Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", schedule, micro_batches=8) as pipe:
+            needs = pipe.memory_estimate(batch)
+            timeline = pipe.train_step(batch).timeline
+        for need in needs:
+            assert need.activations == pytest.approx(timeline.peak_memory(need.device), rel=0.02), (schedule, need)
+        params = sum(p.numel() * 4 for p in pipe.model.parameters())
+        assert sum(n.weights for n in needs) == sum(n.gradients for n in needs) == params
+    assert [n.in_flight for n in needs] == [2, 2]       # zb1 on 2 devices
+
+
+def test_a_placement_over_its_cap_fails_before_the_step_naming_one_that_fits(monkeypatch):
+    batch = make_batch(B=16)
+    model = tiny_model()
+    ran = []
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "1f1b", micro_batches=8,
+                  memory_cap={"vgpu1": "600kB"}) as pipe:
+        original = pipe.stages[0].forward
+        pipe.stages[0].forward = lambda *a, **k: ran.append(1) or original(*a, **k)
+        with pytest.raises(MemoryCapError) as err:
+            pipe.train_step(batch)
+        assert not ran, "nothing may run before the memory check"
+        message = str(err.value)
+        assert message.startswith("vgpu:1 needs 767 kB for a training step on batches of T=9, B=16 (1f1b, 8 "
+                                  "micro-batches): parameters 282 kB + gradients 282 kB + activations 203 kB (1 "
+                                  "micro-batch held at once); more than its memory_cap 600 kB")
+        fits = message.split("A placement that fits: '")[1].split("'")[0]
+    with Pipeline(tiny_model(), fits, "1f1b", micro_batches=8, memory_cap={"vgpu:1": "600kB"}) as pipe:
+        assert all(n.fits for n in pipe.memory_estimate(batch))
+        assert math.isfinite(pipe.train_step(batch).loss)
+
+
+def test_no_placement_fits_says_how_many_devices_would():
+    with Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "gpipe", micro_batches=8,
+                  memory_cap="1.2MB") as pipe:
+        with pytest.raises(MemoryCapError, match="No placement over these 2 devices fits; over 3 devices with 1.2 MB "
+                                                 "each, one does: 'embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2,decode:vgpu2'"
+                                                 r".*1f1b keeps at most 2 per device"):
+            pipe.train_step(make_batch(B=16))
+    with Pipeline(tiny_model(), 2, "gpipe", micro_batches=8, memory_cap="50kB") as pipe:
+        with pytest.raises(MemoryCapError, match="No placement fits, even one layer per device: lstm.* alone needs"):
+            pipe.train_step(make_batch(B=16))
+
+
+def test_memory_cap_from_the_command_line(capsys, tmp_path):
+    quick = ["train", "--epochs", "1", "--limit-batches", "2", "--batch-size", "16", "--no-progress",
+             "--out", str(tmp_path)]
+    assert cli.main([*quick, "--memory-cap", "vgpu:0=100kB"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpedu: error: vgpu:0 needs") and "memory_cap 100 kB" in err and "fits" in err
+    assert cli.main([*quick, "--memory-cap", "1GB"]) == 0
+    with pytest.raises(SystemExit):
+        cli.main([*quick, "--memory-cap", "lots"])
+    assert "memory size 'lots'" in capsys.readouterr().err

@@ -1,0 +1,34 @@
+"""mpedu.distributed.group: every rank of a node picks the same backend; the runner needs a process group."""
+import pytest
+import torch.distributed as dist
+
+from conftest import tiny_model
+from mpedu.distributed import DistributedPipeline, choose_backend
+
+
+@pytest.mark.parametrize("processes,gpus,expected", [
+    (2, 0, "gloo"),
+    (2, 1, "gloo"),     # two processes on one GPU: gloo for both (per-rank choice gave rank 0 NCCL: a hang)
+    (2, 2, "nccl"),
+    (2, 8, "nccl"),
+    (4, 2, "gloo"),
+])
+def test_every_rank_of_a_node_chooses_the_same_backend(processes, gpus, expected):
+    # what each local rank decides sees only what all of them see alike
+    assert {choose_backend("auto", processes, gpus) for _ in range(processes)} == {expected}
+    assert choose_backend("gloo", processes, gpus) == "gloo"
+
+
+def test_nccl_with_more_processes_than_gpus_says_what_to_do():
+    with pytest.raises(RuntimeError, match=r"started 2 processes on this node and it has 1 GPU\(s\): start at "
+                                           r"most 1 per node \(--nproc-per-node\) or use --backend gloo"):
+        choose_backend("nccl", 2, 1)
+    with pytest.raises(RuntimeError, match=r"has 0 GPU\(s\): use --backend gloo"):
+        choose_backend("nccl", 1, 0)
+
+
+def test_the_runner_needs_a_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    with pytest.raises(RuntimeError, match="torchrun"):
+        DistributedPipeline(tiny_model(), None, "gpipe", 2)

@@ -1,0 +1,48 @@
+"""mpedu.distributed.pipeline: DistributedPipeline in a one-rank process group, in this process (the multi-rank
+cases run under torchrun in test_distributed.py)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import make_batch, tiny_model
+from mpedu.distributed import DistributedPipeline
+from mpedu.schedules import make
+from mpedu.single import SingleDevice
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    if not dist.is_gloo_available():
+        pytest.skip("gloo is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_trains_and_evaluates_as_the_single_device_runner(one_rank):
+    torch.manual_seed(0)
+    model = tiny_model(dropout=0.2)
+    reference = tiny_model(dropout=0.2)
+    reference.load_state_dict(model.state_dict())
+    batch = make_batch(T=6, B=8)
+    schedule = make("gpipe", [0], 4)                       # a Schedule object, not a name
+    pipe = DistributedPipeline(model, None, schedule, 4, width=8)
+    one = SingleDevice(reference)
+    for runner in (pipe, one):
+        runner.dropout_seed = 3
+    got, want = pipe.train_step(batch), one.train_step(batch)
+    assert got.loss == pytest.approx(want.loss, rel=1e-6) and got.tokens == want.tokens
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert {e.kind for e in got.timeline.events} == {"F", "B"}
+    assert [e.mb for e in got.timeline.compute() if e.kind == "F"] == [0, 1, 2, 3]
+    assert pipe.eval_step(batch).loss == pytest.approx(one.eval_step(batch).loss, rel=1e-6)
+    assert pipe.shapes == [(6, 8, True), (6, 8, False)]
+    with pytest.raises(ValueError, match="multiple of 1 replica"):
+        DistributedPipeline(model, None, "gpipe", 4, width=6)
+    with pytest.raises(ValueError, match="--pipeline-devices 2 must divide"):
+        DistributedPipeline(model, None, "gpipe", 4, pipeline_devices=2)

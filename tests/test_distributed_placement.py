@@ -1,0 +1,34 @@
+"""mpedu.distributed.placement: device labels become pipeline ranks; placements that cannot run say why."""
+import pytest
+
+from conftest import tiny_model
+from mpedu.distributed import check_tied_weights, rank_placement
+
+
+def test_device_labels_become_ranks_in_order_of_appearance():
+    model = tiny_model()   # embed, lstm0-2, decode
+    placement = rank_placement(model, "embed,lstm0:vgpu1 | lstm1-2:cuda:0 | decode:vgpu1", 2)
+    assert placement.stage_devices == [0, 1, 0]
+    assert str(placement) == "embed,lstm0:rank0 | lstm1-2:rank1 | decode:rank0"
+    assert rank_placement(model, None, 2).stage_devices == [0, 1]     # even split over the world
+    assert rank_placement(model, "embed:cuda:0 | lstm0-2:b | decode:cuda0", 2).stage_devices == [0, 1, 0]
+
+
+@pytest.mark.parametrize("text,world,words", [
+    ("embed,lstm0:a | lstm1-2,decode:b", 3, "rank 2 would hold no layers"),
+    ("embed:a | lstm0:b | lstm1-2,decode:c", 2, "--nproc-per-node 3"),
+    (None, 6, "a rank with no layers"),
+    ("embed,lstm0 vgpu0 | lstm1-2,decode:b", 2, "layers:device"),
+    ("embed,lstm0:a | lstm0-2,decode:b", 2, "placed twice"),
+    ("embed,lstm0-99:a | decode:b", 2, "wider than the model"),
+])
+def test_placement_errors_name_the_fix(text, world, words):
+    with pytest.raises(ValueError, match=words):
+        rank_placement(tiny_model(), text, world)
+
+
+def test_tied_weights_cannot_span_ranks():
+    model = tiny_model(num_layers=1, embed_size=64, tie_weights=True)
+    with pytest.raises(ValueError, match="tied weights"):
+        check_tied_weights(model, rank_placement(model, "embed:a | lstm0,decode:b", 2))
+    check_tied_weights(model, rank_placement(model, "embed,lstm0,decode:a", 1))   # one rank: fine

@@ -1,0 +1,38 @@
+"""The --out folder: checked before a run, locked while one writes, files replaced whole."""
+import errno
+
+import pytest
+
+from mpedu.files import LOCK_NAME, OutFolderError, OutLock, atomic_write, prepare_out, why
+
+
+def test_prepare_out_creates_a_folder_and_refuses_a_file(tmp_path):
+    assert prepare_out(tmp_path / "a" / "b").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutFolderError, match="is a file, not a folder"):
+        prepare_out(tmp_path / "file")
+
+
+def test_a_second_lock_on_the_same_folder_is_refused_naming_the_holder(tmp_path):
+    notes = []
+    with OutLock(tmp_path, log=notes.append):
+        assert "pid=" in (tmp_path / LOCK_NAME).read_text()
+        with pytest.raises(OutFolderError, match="in use by another mpedu run"):
+            with OutLock(tmp_path, log=notes.append):
+                pass
+    with OutLock(tmp_path, log=notes.append):         # released on exit: taken again, with nothing to note
+        pass
+    assert notes == []
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path):
+    path = tmp_path / "model.pt"
+    atomic_write(path, lambda f: f.write(b"old"))
+
+    def broken(f):
+        f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError) as error:
+        atomic_write(path, broken)
+    assert path.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
+    assert "disk is full" in why(error.value)

@@ -1,0 +1,148 @@
+"""One memory model: what it predicts from per-layer measurements against what a step really holds, and who uses it."""
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import make_batch, tiny_model
+from mpedu import schedules
+from mpedu.balance import balance_by_time
+from mpedu.bucketing import Batch
+from mpedu.footprint import device_footprints, param_sizes, peak_held, stage_footprint, unit_bytes
+from mpedu.memory import memory_report
+from mpedu.pipeline import Pipeline
+from mpedu.placement import Placement
+from mpedu.profile import StageCost, profile
+from mpedu.schedules import Action
+from mpedu.simulate import simulate
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
+
+FOUR = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2:vgpu0 | decode:vgpu1"
+THREE = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2,decode:vgpu2"
+SCHEDULES = [("naive", FOUR, 2, 1), ("gpipe", FOUR, 4, 1), ("1f1b", FOUR, 4, 1), ("interleaved", FOUR, 4, 1),
+             ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3)]
+
+
+def first_steps(batch, T):
+    """`batch` cut to its first T time steps (one time chunk's length)."""
+    return Batch(batch.inputs[:T], batch.targets[:T], batch.mask[:T], T, False)
+
+
+@pytest.mark.parametrize("recompute", [None, "all", "all-but-last"])
+@pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+def test_the_model_agrees_with_what_a_step_holds(schedule, placement, m, chunks, recompute):
+    """Predicted from profiled per-layer bytes, the activation peak of every device is within 5% of
+    what the step's saved-tensor hooks counted (the timeline's memory), dropout included; the
+    pipeline's own estimate (a dry run of its stages) too."""
+    batch = make_batch(T=12, B=8)
+    model = tiny_model(dropout=0.3)
+    costs = profile(model, batch, micro_batches=m, warmup=0, repeats=1)
+    chunk_costs = (profile(model, first_steps(batch, 12 // chunks), micro_batches=m, warmup=0, repeats=1)
+                   if chunks > 1 else None)
+    with Pipeline(model, placement, schedule, micro_batches=m, chunks=chunks, recompute=recompute) as pipe:
+        estimate = pipe.memory_estimate(batch)
+        timeline = pipe.train_step(batch).timeline
+        predicted = device_footprints(costs, pipe.placement, pipe.schedule, recompute, chunk_costs=chunk_costs)
+    weights, grads = param_sizes(model)
+    for f, e in zip(predicted, estimate, strict=True):
+        held = timeline.peak_memory(f.device)
+        assert held > 0
+        assert f.activations == pytest.approx(held, rel=0.05), (f.device, f)
+        assert e.activations == pytest.approx(held, rel=0.05), (f.device, e)
+        assert (f.weights, f.gradients) == (e.weights, e.gradients)
+    assert sum(f.weights for f in predicted) == sum(weights) and sum(f.gradients for f in predicted) == sum(grads)
+
+
+def test_recomputation_keeps_the_inputs_and_peaks_at_one_rebuilt_micro_batch():
+    """GPipe on one device, 4 micro-batches of a stage that keeps 10 bytes of input and saves 100
+    (its input among them): 400 held without recomputation; with it 4 x 10 kept, and one micro-batch
+    rebuilt while its backward runs: 30 + 100. "all-but-last" keeps the last one's 100 as well: mpedu's
+    GPipe runs the backwards in forward order (B0 first), so B0's rebuild happens beside it: 20 + 100 + 100."""
+    row = schedules.gpipe([0], 4).actions[0]
+    stage = StageCost(1.0, activation_bytes=100, input_bytes=10, input_saved_bytes=10)
+    assert peak_held(row, unit_bytes([stage], [None], 4)) == (400, 4)
+    assert peak_held(row, unit_bytes([stage], ["all"], 4)) == (130, 4)
+    assert [str(a) for a in row[4:]] == ["0B0", "0B1", "0B2", "0B3"]
+    assert peak_held(row, unit_bytes([stage], ["all-but-last"], 4)) == (20 + 100 + 100, 4)
+    # an input the layers do not save is held beside what they rebuild
+    apart = StageCost(1.0, activation_bytes=100, input_bytes=10, input_saved_bytes=0)
+    assert peak_held(row, unit_bytes([apart], ["all"], 4)) == (140, 4)
+
+
+def test_zero_bubble_holds_a_micro_batch_until_its_w():
+    row = [Action("F", 0, 0), Action("F", 0, 1), Action("B", 0, 0), Action("F", 0, 2), Action("W", 0, 0)]
+    ones = lambda s, mb: (1, 1)      # noqa: E731
+    assert peak_held(row, ones, split={0}) == (3, 3)
+    assert peak_held(row, ones) == (2, 2)           # fused backward: B frees it
+
+
+def test_tied_weights_count_once_everywhere():
+    model = tiny_model(embed_size=64, hidden_size=64, tie_weights=True)
+    per_tensor = sum(p.numel() * p.element_size() for p in model.parameters())   # parameters() dedups by object
+    weights, _ = param_sizes(model)
+    assert sum(weights) == per_tensor and weights[-1] < per_tensor // 10       # decode's shared matrix: in embed
+    batch = make_batch(B=8)
+    costs = profile(model, batch, micro_batches=2, warmup=0, repeats=1)
+    assert costs.param_bytes == weights
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu0", "gpipe", micro_batches=2) as pipe:
+        estimate = pipe.memory_estimate(batch)
+        report = memory_report(pipe, pipe.train_step(batch).timeline,
+                               torch.optim.Adam(model.parameters()))
+    assert estimate[0].weights == report["vgpu:0"].params == per_tensor
+    assert report["vgpu:0"].optimizer == 2 * per_tensor            # Adam: two moments per weight, once
+
+
+def test_optimizer_state_is_a_multiple_of_the_trainable_weights():
+    model, batch = tiny_model(), make_batch(B=8)
+    costs = profile(model, batch, micro_batches=2, warmup=0, repeats=1)
+    placement = Placement.parse("embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", model)
+    plan = schedules.make("1f1b", placement.stage_devices, 2)
+    plain, adam = (device_footprints(costs, placement, plan, optimizer_bytes_per_param=k) for k in (0, 2))
+    for a, b in zip(plain, adam):
+        assert b.optimizer_state == 2 * a.gradients and b.total == a.total + 2 * a.gradients
+
+
+def test_balance_by_time_keeps_each_stage_under_the_cap_by_the_same_model():
+    model, batch = tiny_model(), make_batch(B=8)
+    measured = profile(model, batch, micro_batches=4, warmup=0, repeats=1)
+    # times fixed (a slow decoder): the fastest split puts every layer but decode on vgpu:0, the fuller device
+    slow = [1.0, 1.0, 1.0, 1.0, 10.0]
+    costs = dataclasses.replace(measured, forward=slow, backward=[2 * t for t in slow])
+    devices = ["vgpu:0", "vgpu:1"]
+    free = balance_by_time(model, batch, devices, micro_batches=4, costs=costs)
+    plan = schedules.make("gpipe", [0, 1], 4)
+    need = {f.device: f.total for f in device_footprints(costs, free, plan)}
+    cap = max(need.values()) - 1                    # the fastest split no longer fits
+    capped = balance_by_time(model, batch, devices, micro_batches=4, costs=costs, memory_cap=cap)
+    assert str(free) == "embed,lstm0-2:vgpu0 | decode:vgpu1" and str(capped) != str(free)
+    assert all(f.total <= cap for f in device_footprints(costs, capped, plan))
+    # below the smallest cap any plain split meets, recomputation still fits
+    smallest = {mode: _smallest_cap(costs, plan, mode) for mode in (None, "all")}
+    assert smallest["all"] < smallest[None]
+    with pytest.raises(ValueError, match="the smallest cap that fits is"):
+        balance_by_time(model, batch, devices, micro_batches=4, costs=costs, memory_cap=smallest[None] - 1)
+    fits = balance_by_time(model, batch, devices, micro_batches=4, costs=costs, memory_cap=smallest[None] - 1,
+                           recompute="all")
+    assert all(f.total < smallest[None] for f in device_footprints(costs, fits, plan, "all"))
+
+
+def _smallest_cap(costs, plan, mode) -> int:
+    """Brute force over the two-stage splits: the least memory the fuller device can get by with."""
+    names = costs.names
+    return min(max(stage_footprint(costs.stages([part])[0], plan.actions[s], s, mode, 4).total
+                   for s, part in enumerate((names[:k], names[k:]))) for k in range(1, len(names)))
+
+
+@pytest.mark.parametrize("recompute", [None, "all", "all-but-last"])
+@pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=[s[0] for s in SCHEDULES])
+def test_the_simulators_timeline_holds_what_the_model_says(schedule, placement, m, chunks, recompute):
+    """The predicted timeline's events carry the bytes they add and free: its peaks are the footprint's."""
+    model = tiny_model()
+    costs = profile(model, make_batch(T=12, B=8), micro_batches=m, warmup=0, repeats=1)
+    placement = Placement.parse(placement, model)
+    plan = schedules.make(schedule, placement.stage_devices, m, chunks)
+    predicted = simulate(plan, costs, placement, recompute=recompute)
+    for f in device_footprints(costs, placement, plan, recompute):
+        assert predicted.peak_memory(f.device) == pytest.approx(f.activations, abs=len(plan.actions[0]))
+        assert predicted.memory_over_time(f.device)[-1][1] == 0       # everything freed by the end

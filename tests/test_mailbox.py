@@ -1,0 +1,59 @@
+"""The mailbox between a pipeline's workers: delivery, waiting for an emulated link, waking everyone on abort."""
+import threading
+import time
+
+import pytest
+
+from mpedu.link import Link
+from mpedu.mailbox import Aborted, Mailbox
+
+SLACK = 0.15          # seconds a busy machine may add to a sleep-based delay (never subtracted)
+
+
+def test_the_mailbox_delivers_after_the_link_time_without_blocking_the_sender():
+    link = Link(0.03, 1e6)                                  # 30 ms + 20 kB at 1 MB/s = 50 ms
+    mailbox = Mailbox(link)
+    got = {}
+
+    def receiver():
+        got["value"] = mailbox.get("x")
+        got["at"] = time.perf_counter()
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    sent = time.perf_counter()
+    landing = mailbox.put("x", "tensor", ("vgpu:0", "vgpu:1"), 20_000)
+    returned = time.perf_counter()
+    thread.join()
+    assert got["value"] == "tensor"
+    assert landing - sent == pytest.approx(link.time(20_000), abs=5e-3)
+    assert returned - sent < link.time(20_000) / 2           # the sender went on at once
+    assert landing <= got["at"] <= landing + SLACK            # the receiver waited for the landing
+    # the default link adds nothing: no landing time at all
+    assert Mailbox().put("y", 1, ("vgpu:0", "vgpu:1"), 10**9) is None
+
+
+def test_a_tensor_sent_before_its_receive_waits_in_the_mailbox():
+    mailbox = Mailbox()
+    assert mailbox.put(("act", 1, 0, 0), "early") is None    # shared memory: no landing time
+    assert mailbox.get(("act", 1, 0, 0)) == "early"
+
+
+def test_abort_wakes_a_waiting_receive_and_refuses_later_ones():
+    mailbox, raised = Mailbox(), []
+
+    def receiver():
+        try:
+            mailbox.get("never sent")
+        except Aborted:
+            raised.append(True)
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    while not mailbox._waiting:          # until the receive is parked on its lock
+        time.sleep(0.001)
+    mailbox.abort()
+    thread.join(timeout=10)
+    assert raised == [True] and not thread.is_alive()
+    with pytest.raises(Aborted):
+        mailbox.get("after the abort")
