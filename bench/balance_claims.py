@@ -28,7 +28,8 @@ from mpedu.balance import balance_by_time  # noqa: E402
 from mpedu.model import LSTMLM  # noqa: E402
 from mpedu.pipeline import Pipeline  # noqa: E402
 from mpedu.placement import Placement  # noqa: E402
-from mpedu.profile import Costs, measure_cores, profile  # noqa: E402
+from mpedu.cores import measure_cores  # noqa: E402
+from mpedu.profile import Costs, profile  # noqa: E402
 from mpedu.simulate import Link, simulate  # noqa: E402
 
 T, B, M = 35, 32, 4

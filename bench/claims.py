@@ -31,7 +31,8 @@ from mpedu.balance import balance_by_time  # noqa: E402
 from mpedu.claims import NEIGHBOURS, SLOW_LINK, compare, in_turn, measure_placements, within  # noqa: E402
 from mpedu.costmodel import gpu_costs  # noqa: E402
 from mpedu.devices import Worker, get_device  # noqa: E402
-from mpedu.profile import measure_cores, profile  # noqa: E402
+from mpedu.cores import measure_cores  # noqa: E402
+from mpedu.profile import profile  # noqa: E402
 from mpedu.simulate import simulate  # noqa: E402
 
 M = 4                                          # micro-batches, as in the notebooks

@@ -28,7 +28,7 @@ from torch import nn  # noqa: E402
 from mpedu import dropout  # noqa: E402
 from mpedu.dropout import Position, PositionalDropout  # noqa: E402
 from mpedu.model import LSTMLM  # noqa: E402
-from mpedu.profile import measure_cores  # noqa: E402
+from mpedu.cores import measure_cores  # noqa: E402
 from mpedu.single import SingleDevice  # noqa: E402
 
 

@@ -33,7 +33,9 @@ from mpedu.balance import balance_by_time  # noqa: E402
 from mpedu.model import LSTMLM, LMConfig  # noqa: E402
 from mpedu.pipeline import Pipeline  # noqa: E402
 from mpedu.placement import Placement  # noqa: E402
-from mpedu.profile import Costs, CostCurve, measure_cores, profile  # noqa: E402
+from mpedu.cores import measure_cores  # noqa: E402
+from mpedu.costcurve import CostCurve  # noqa: E402
+from mpedu.profile import Costs, profile  # noqa: E402
 from mpedu.simulate import Link, simulate  # noqa: E402
 
 VOCAB, T, B, M = 2000, 35, 64, 8

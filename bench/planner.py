@@ -9,7 +9,7 @@ wavefront schedule runs) serves both device counts. The cap is the geometric mid
 front's largest and smallest peaks, so the fastest plan does not fit. `seconds_to_plan` is the
 search alone (median of 3), the profile is timed apart. The top candidates run in turn, one step
 each per round, so drifting load falls on all of them alike; each device count's predictions use
-the cores the virtual devices got at once (profile.measure_cores), as bench/fidelity.py does.
+the cores the virtual devices got at once (cores.measure_cores), as bench/fidelity.py does.
 On a shared machine the load drifts between the profile and the runs: after each device count's runs
 the layers are profiled again, and the measured plans predicted again from the median of the profiles
 so far and the mean of the cores measured before and after. `kendall_tau` and `worst_error` are those;
@@ -34,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, random_batch  # noqa: E402
 
 from mpedu.model import LSTMLM  # noqa: E402
-from mpedu.planner import kendall_tau, plan, plan_buckets, predict  # noqa: E402
-from mpedu.profile import CostCurve, measure_cores, profile_curve  # noqa: E402
+from mpedu.cores import measure_cores  # noqa: E402
+from mpedu.costcurve import CostCurve, profile_curve  # noqa: E402
+from mpedu.planner import plan, plan_buckets, predict  # noqa: E402
+from mpedu.ranking import kendall_tau  # noqa: E402
 from mpedu.simulate import predict_epoch  # noqa: E402
 
 VOCAB, T, B = 10_000, 20, 16          # smaller than the how-to's batch: a step here takes ~0.2 s on 2 cores

@@ -53,9 +53,9 @@ def free_cores(n: int = 2, **kwargs) -> float:
     """Measure how many virtual devices' worth of work runs at once now, and print it.
 
     Prints "free cores measured: X.XX" (the exact form the course's tests read in
-    committed notebook outputs) and returns X. kwargs go to `mpedu.profile.measure_cores`.
+    committed notebook outputs) and returns X. kwargs go to `mpedu.cores.measure_cores`.
     """
-    from .profile import measure_cores
+    from .cores import measure_cores
     cores = round(measure_cores(n, **kwargs), 2)     # what is printed is what the verdicts judge
     print(f"free cores measured: {cores:.2f}")
     return cores
@@ -131,7 +131,7 @@ def _values(times: Mapping[str, float | Sequence[float]], label: str) -> list[fl
 def _cores_now(cores: float | None, needs_cores: float) -> float | None:
     """The free cores given, or measured now when a claim needs them and none were given."""
     if needs_cores > 0 and cores is None:
-        from .profile import measure_cores
+        from .cores import measure_cores
         cores = measure_cores(2)
     return None if cores is None else round(cores, 2)     # judged as printed: 1.7999 is not "1.80 >= 1.80"
 

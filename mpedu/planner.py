@@ -10,7 +10,7 @@ per micro-batch. Every candidate is predicted, never run: its step time by
 mpedu.simulate on profiled per-layer costs (a CostCurve, so each m gets the costs of
 its own micro-batch width), its memory per device by the footprint model.
 
-The search is exact but pruned. Two cheap lower bounds come first: on the step time
+The search is exact but pruned. Two cheap lower bounds (mpedu.bounds) come first: on the step time
 (a device must wait for micro-batch 0 to reach its first stage, do all its work, then
 let the last gradient go back; naive runs m whole trips; devices sharing cores share
 the work), and on the memory (weights, gradients and the units held after each forward
@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import statistics
 import time
 from dataclasses import dataclass, field
 
+from .bounds import held_units, memory_floor, time_bound
+from .costcurve import CostCurve, profile_curve
 from .devices import format_size, get_device, get_devices, parse_size
 from .footprint import device_footprints
 from .placement import Placement
-from .profile import Costs, CostCurve, StageCost, profile_curve
+from .planplot import plot_plans
+from .profile import Costs, StageCost
+from .ranking import Measurement, measure
 from .schedules import Schedule, make as make_schedule
 from .simulate import simulate
 
@@ -73,29 +76,6 @@ class Candidate:
     def __str__(self) -> str:
         return (f"{self.label:<40} {self.step_s * 1e3:9.1f} ms  peak {format_size(self.peak_bytes):>9}  "
                 f"{self.placement}")
-
-
-@dataclass
-class Measurement:
-    """Candidates run for real beside their predictions."""
-
-    rows: list[dict]                # label, placement, predicted_s, measured_s (median), error, steps_s (each round)
-    kendall_tau: float              # +1: the measured order is the predicted order
-
-    @property
-    def worst_error(self) -> float:
-        return max(abs(r["error"]) for r in self.rows)
-
-    def table(self) -> str:
-        lines = [f"{'plan':<40}{'predicted ms':>13}{'measured ms':>12}{'error':>8}"]
-        for r in self.rows:
-            lines.append(f"{r['label']:<40}{r['predicted_s'] * 1e3:>13.1f}{r['measured_s'] * 1e3:>12.1f}"
-                         f"{r['error']:>+8.1%}")
-        lines.append(f"Kendall tau of the ranking {self.kendall_tau:+.2f}; worst error {self.worst_error:.1%}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
 
 
 @dataclass
@@ -163,59 +143,12 @@ class Plans:
                 candidates: list[Candidate] | None = None) -> Measurement:
         """Run the `top` candidates for real (median of `steps` steps after `warmup`), one step of each
         in turn per round so that drifting load falls on all alike; compare with the predictions."""
-        chosen = candidates if candidates is not None else self.top(top)
-        if len(chosen) < 2:
-            raise ValueError(f"only {len(chosen)} candidate(s) to measure; a ranking needs two or more "
-                             "(raise the memory cap, or allow more schedules)")
-        pipes = [c.pipeline(model) for c in chosen]
-        times = [[] for _ in chosen]
-        try:
-            for r in range(warmup + steps):
-                for k, pipe in enumerate(pipes):
-                    model.zero_grad(set_to_none=True)
-                    span = pipe.train_step(batch).timeline.makespan
-                    if r >= warmup:
-                        times[k].append(span)
-        finally:
-            for pipe in pipes:
-                pipe.close()
-            model.zero_grad(set_to_none=True)
-        rows = []
-        for c, ts in zip(chosen, times):
-            measured = statistics.median(ts)
-            rows.append({"label": c.label, "placement": str(c.placement), "predicted_s": c.step_s,
-                         "measured_s": measured, "error": c.step_s / measured - 1, "steps_s": ts})
-        return Measurement(rows, kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]))
+        return measure(candidates if candidates is not None else self.top(top), model, batch, steps, warmup)
 
     def plot(self, ax=None, measured: Measurement | None = None):
         """Peak memory against step time: every simulated candidate (grey), the front (line), the best
         (star), the cap (dashed), and measured points beside their predictions when given."""
-        import matplotlib.pyplot as plt
-        if ax is None:
-            _, ax = plt.subplots(figsize=(7, 4))
-        ax.scatter([c.step_s * 1e3 for c in self.simulated], [c.peak_bytes / 1e6 for c in self.simulated],
-                   s=10, color="0.75", label="simulated candidates")
-        ax.plot([c.step_s * 1e3 for c in self.front], [c.peak_bytes / 1e6 for c in self.front], "o-",
-                color="C0", label="Pareto front (predicted)")
-        if self.best is not None:
-            ax.plot([self.best.step_s * 1e3], [self.best.peak_bytes / 1e6], "*", color="C3", markersize=14,
-                    label=f"fastest that fits: {self.best.label}")
-        if self.memory_cap:
-            ax.axhline(self.memory_cap / 1e6, color="C3", linestyle="--", linewidth=1, label="memory cap")
-        if measured is not None:
-            by_label = {(c.label, str(c.placement)): c for c in self.simulated + self.front}
-            for r in measured.rows:
-                c = by_label.get((r["label"], r["placement"]))
-                if c is None:
-                    continue
-                y = c.peak_bytes / 1e6
-                ax.plot([r["predicted_s"] * 1e3, r["measured_s"] * 1e3], [y, y], color="C1", linewidth=1)
-                ax.plot([r["measured_s"] * 1e3], [y], "s", color="C1", markersize=6)
-            ax.plot([], [], "s-", color="C1", label="measured (same memory)")
-        ax.set_xlabel("step time (ms)")
-        ax.set_ylabel("peak memory of the largest device (MB)")
-        ax.legend(fontsize=8)
-        return ax
+        return plot_plans(self, ax, measured)
 
 
 def predict(candidate: Candidate, costs: CostCurve, T: int, B: int, link=None, cores=None) -> float:
@@ -225,28 +158,6 @@ def predict(candidate: Candidate, costs: CostCurve, T: int, B: int, link=None, c
     schedule = make_schedule(candidate.schedule, candidate.placement.stage_devices, m, chunks)
     return simulate(schedule, costs.at(T, B // m, chunks), candidate.placement, link=link, cores=cores,
                     recompute=candidate.recompute).makespan
-
-
-def kendall_tau(a, b) -> float:
-    """Kendall's tau-b between two orderings of the same items (ties count as neither)."""
-    if len(a) != len(b) or len(a) < 2:
-        raise ValueError(f"kendall_tau needs two lists of one equal length >= 2, got {len(a)} and {len(b)}")
-    concordant = discordant = ties_a = ties_b = 0
-    for i, j in itertools.combinations(range(len(a)), 2):
-        x, y = (a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])
-        if x == 0 and y == 0:
-            continue
-        if x == 0:
-            ties_a += 1
-        elif y == 0:
-            ties_b += 1
-        elif x == y:
-            concordant += 1
-        else:
-            discordant += 1
-    n = concordant + discordant
-    denominator = ((n + ties_a) * (n + ties_b)) ** 0.5
-    return (concordant - discordant) / denominator if denominator else 0.0
 
 
 # -- the search --------------------------------------------------------------------------------------
@@ -387,7 +298,7 @@ def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options,
                     key = (name, tuple(stage_devices), m, chunks)
                     if key not in shapes:
                         sched = make_schedule(name, stage_devices, m, chunks)
-                        shapes[key] = (sched, _held(sched))
+                        shapes[key] = (sched, held_units(sched))
                     sched, held = shapes[key]
                     groups, stage_costs, at = [], [], 0
                     for c in counts:
@@ -401,77 +312,8 @@ def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options,
                         if rc == "all-but-last" and m == 1:
                             continue                    # its one micro-batch is the last: the same as None
                         yield _Option(placement, sched, m, chunks, rc, costs, stage_costs,
-                                      _memory_floor(stage_costs, stage_devices, held, rc, chunks),
-                                      _bound(sched, stage_costs, p, cores, rc))
-
-
-def _held(schedule: Schedule) -> list[list[list[tuple[int, int]]]]:
-    """Per device, the (micro-batch, chunk) units each of its stages holds just after each forward,
-    as [(stage, units), ...] over the device's own stages, keeping only those no other one covers."""
-    out = []
-    for d, row in enumerate(schedule.actions):
-        own = sorted({a.stage for a in row})
-        held, seen = dict.fromkeys(own, 0), set()
-        for a in row:
-            if a.kind == "F":
-                held[a.stage] += 1
-                seen.add(tuple(held[s] for s in own))
-            elif a.kind == "W" or a.stage not in schedule.split_backward:
-                held[a.stage] -= 1
-        top = [v for v in seen if not any(w != v and all(x >= y for x, y in zip(w, v)) for w in seen)]
-        out.append([list(zip(own, v)) for v in top])
-    return out
-
-
-def _memory_floor(stage_costs, stage_devices, held, recompute, chunks) -> int:
-    """A cheap lower bound on the largest device's footprint (mpedu.footprint has the real count):
-    weights, gradients, and the units held after each forward at the bytes they keep (all of their
-    activations, or with recomputation their input only). Without recomputation this is the peak."""
-    def kept(c):
-        return (c.activation_bytes if recompute is None else min(c.input_bytes, c.activation_bytes)) / chunks
-
-    worst = 0.0
-    for d, vectors in enumerate(held):
-        fixed = sum(c.param_bytes + c.trainable_bytes for s, c in enumerate(stage_costs) if stage_devices[s] == d)
-        act = max((sum(units * kept(stage_costs[s]) for s, units in v) for v in vectors), default=0.0)
-        worst = max(worst, fixed + act)
-    return int(worst)
-
-
-def _bound(schedule, stage_costs, p, cores, recompute) -> float:
-    """A lower bound on the step time, from what must happen whatever the order:
-    - device d cannot start before micro-batch 0 has gone forward through the stages before its first
-      stage (head), must do all its work, and after its last fused backward the gradient must still go
-      back through those stages (tail; 0 where a W may come last);
-    - naive runs one micro-batch's whole trip after another: m trips;
-    - devices sharing `cores` cores: all the work spread over them.
-    Recomputation adds a forward per recomputed micro-batch. With time chunks the head, tail and
-    trip are one chunk's (cost / chunks)."""
-    split, m, chunks = schedule.split_backward, schedule.micro_batches, schedule.chunks
-    again = {None: 0, "all": m, "all-but-last": m - 1}[recompute]
-    work = [0.0] * p
-    first = [None] * p
-    for s, c in enumerate(stage_costs):
-        d = schedule.stage_devices[s]
-        back = c.backward_input + c.backward_weight if s in split else c.backward
-        work[d] += m * (c.forward + back) + again * c.forward
-        first[d] = s if first[d] is None else first[d]
-    fwd = [0.0]                                         # fwd[s]: one chunk's forward through stages < s
-    bwd = [0.0]
-    for s, c in enumerate(stage_costs):
-        fwd.append(fwd[-1] + c.forward / chunks)
-        bwd.append(bwd[-1] + (c.backward_input if s in split else c.backward) / chunks)
-    bound = 0.0
-    for d in range(p):
-        s = first[d]
-        tail = bwd[s] if not split and schedule.name != "interleaved" else 0.0
-        bound = max(bound, fwd[s] + work[d] + tail)
-    bound = max(bound, fwd[-1] + bwd[-1])
-    if schedule.name == "naive":
-        bound = max(bound, m * (fwd[-1] + bwd[-1]) + again * fwd[-1])
-    if cores is not None and cores < p:
-        bound = max(bound, sum(work) / cores)
-    return bound
+                                      memory_floor(stage_costs, stage_devices, held, rc, chunks),
+                                      time_bound(sched, stage_costs, p, cores, rc))
 
 
 def _footprint(option: _Option) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     speed: relative speed per device (by name or index); 0.5 is a device twice as
     slow, whose every action takes twice as long.
     cores: for virtual devices sharing a CPU, how many run at full speed at once
-    (os.cpu_count(), or profile.measure_cores()); while n > 1 devices compute, each
+    (os.cpu_count(), or mpedu.cores.measure_cores()); while n > 1 devices compute, each
     runs at min(1, cores / n) of its speed. None: devices never slow each other.
     link: a Link, or text for Link.parse ("pcie4", "10gbe/100"); None is the shared-memory
     default. Charged as the Pipeline charges it: the sender goes on, the receiver waits,
@@ -276,7 +276,7 @@ class EpochPrediction:
 
 def predict_epoch(batches, curve, plan, **simulate_args) -> EpochPrediction:
     """Predict an epoch of `batches` (a BucketIterator, Batches, or (T, B) shapes), each step simulated
-    with the costs of its own micro-batch shape, `curve.at(T, B / m)` (a profile.CostCurve).
+    with the costs of its own micro-batch shape, `curve.at(T, B / m)` (a costcurve.CostCurve).
 
     plan: what runs each step: a Pipeline, or anything with placement, schedule, micro_batches, chunks
     (and optionally recompute), e.g. a planner Candidate; or a dict {T: such} to run each bucket length

@@ -1,4 +1,5 @@
-"""Shared test helpers: a tiny model, a padded time-major batch, a little corpus, quiet training, the fuzz settings."""
+"""Shared test helpers: a tiny model, a padded time-major batch, made-up costs, a little corpus, quiet training, the
+fuzz settings."""
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -26,6 +27,23 @@ def tiny_model(num_layers=3, seed=0, **overrides):
     from mpedu.model import LSTMLM
     torch.manual_seed(seed)
     return LSTMLM.from_config("tiny", VOCAB, num_layers=num_layers, **overrides)
+
+
+# Per-layer cost shapes (seconds per time step per column, and a fixed per-step part), the decoder the heaviest.
+WEIGHT = {"embed": 0.2, "lstm0": 1.0, "lstm1": 1.3, "lstm2": 0.9, "decode": 2.0}
+
+
+def fake_costs(names, T, b, per_call=0.0):
+    """Costs of a (T, b) micro-batch shaped like a profile: time a + c b per step (plus `per_call`
+    seconds each time a layer runs), bytes per position."""
+    from mpedu.profile import Costs
+    per = [T * (0.05 + WEIGHT[n] * b) * 1e-3 + per_call for n in names]
+    act = [T * b * 400 * (k + 1) for k in range(len(names))]
+    return Costs(list(names), forward=per, backward=[2 * x for x in per], backward_input=[x for x in per],
+                 backward_weight=[x for x in per], activation_bytes=act,
+                 output_bytes=[0 if k == len(names) - 1 else T * b * 128 for k in range(len(names))],
+                 param_bytes=[20_000 * (k + 1) for k in range(len(names))], shared_bytes=[0] * len(names),
+                 micro_batch=(T, b))
 
 
 @pytest.fixture(scope="module")

@@ -91,11 +91,9 @@ def test_in_turn_can_take_the_time_from_the_result():
 
 
 def test_free_cores_prints_the_line_the_notebook_tests_read(monkeypatch, capsys):
-    import importlib
-
+    import mpedu.cores
     from mpedu.claims import free_cores
-    profile_module = importlib.import_module("mpedu.profile")     # (mpedu.profile is also the function)
-    monkeypatch.setattr(profile_module, "measure_cores", lambda n=2, **kw: 1.756)
+    monkeypatch.setattr(mpedu.cores, "measure_cores", lambda n=2, **kw: 1.756)
     assert free_cores() == 1.76                      # the value judged is the value printed
     line = capsys.readouterr().out.strip()
     assert line == "free cores measured: 1.76"        # two decimals: 1.756 must not read as 1.8

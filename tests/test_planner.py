@@ -1,28 +1,12 @@
-"""The planner: its front is the true Pareto front, its bounds are bounds, caps pick and explain, and a
-measured run compares with the predictions; CostCurve reads costs at any micro-batch shape."""
+"""The planner: its front is the true Pareto front, its bounds are bounds, caps pick and explain, plans are
+predicted again from new costs, and per bucket length; epochs of mixed buckets are predicted."""
 import pytest
 
-from conftest import make_batch, tiny_model
+from conftest import fake_costs, make_batch, tiny_model
+from mpedu.costcurve import CostCurve
 from mpedu.footprint import device_footprints
-from mpedu.planner import RECOMPUTE, SCHEDULES, _enumerate, _simulate, kendall_tau, plan
-from mpedu.profile import Costs, CostCurve
+from mpedu.planner import RECOMPUTE, SCHEDULES, _enumerate, _simulate, plan
 from mpedu.simulate import predict_epoch
-
-# Per-layer cost shapes (seconds per time step per column, and a fixed per-step part), the decoder the heaviest.
-WEIGHT = {"embed": 0.2, "lstm0": 1.0, "lstm1": 1.3, "lstm2": 0.9, "decode": 2.0}
-
-
-def fake_costs(names, T, b, per_call=0.0):
-    """Costs of a (T, b) micro-batch shaped like a profile: time a + c b per step (plus `per_call`
-    seconds each time a layer runs), bytes per position."""
-    per = [T * (0.05 + WEIGHT[n] * b) * 1e-3 + per_call for n in names]
-    act = [T * b * 400 * (k + 1) for k in range(len(names))]
-    return Costs(list(names), forward=per, backward=[2 * x for x in per], backward_input=[x for x in per],
-                 backward_weight=[x for x in per], activation_bytes=act,
-                 output_bytes=[0 if k == len(names) - 1 else T * b * 128 for k in range(len(names))],
-                 param_bytes=[20_000 * (k + 1) for k in range(len(names))], shared_bytes=[0] * len(names),
-                 micro_batch=(T, b))
-
 
 @pytest.fixture(scope="module")
 def model():
@@ -32,44 +16,6 @@ def model():
 @pytest.fixture(scope="module")
 def curve(model):
     return CostCurve([fake_costs(model.layer_names, 9, b) for b in (1, 2, 4, 8)], [])
-
-
-def test_costcurve_reproduces_its_profiles_and_interpolates_between():
-    names = ["embed", "lstm0", "decode"]
-    curve = CostCurve([fake_costs(names, 10, b) for b in (2, 8)],
-                      [fake_costs(names, T, 2) for T in (4, 20)])
-    for b in (2, 8):
-        assert curve.at(10, b).forward == pytest.approx(fake_costs(names, 10, b).forward)
-    # time is linear in b and in T in fake_costs, so the reading is exact in between and beyond
-    for T, b in [(10, 5), (6, 2), (16, 4), (30, 12)]:
-        want = fake_costs(names, T, b)
-        got = curve.at(T, b)
-        assert got.forward == pytest.approx(want.forward, rel=1e-9)
-        assert got.activation_bytes == pytest.approx(want.activation_bytes, rel=1e-6, abs=1)
-        assert got.param_bytes == want.param_bytes
-        assert got.micro_batch == (T, b)
-    round_trip = CostCurve.from_dict(curve.to_dict())
-    assert round_trip.at(7, 3).backward == pytest.approx(curve.at(7, 3).backward)
-
-
-def test_costcurve_charges_a_time_chunk_its_own_overhead():
-    names = ["embed", "lstm0", "decode"]
-    curve = CostCurve([fake_costs(names, 12, b, per_call=1e-3) for b in (2, 4)],
-                      [fake_costs(names, T, b, per_call=1e-3) for T in (3, 6) for b in (2, 4)])
-    for chunks in (2, 3, 4):
-        chunked = curve.at(12, 4, chunks)
-        one_chunk = fake_costs(names, 12 // chunks, 4, per_call=1e-3)
-        assert chunked.forward == pytest.approx([chunks * x for x in one_chunk.forward])
-        # more chunks, more calls: a step in chunks costs more than the whole sequence at once
-        assert all(a > b for a, b in zip(chunked.forward, curve.at(12, 4).forward))
-    with pytest.raises(ValueError, match="chunks <= T"):
-        curve.at(3, 2, chunks=4)
-
-
-def test_costcurve_refuses_mixed_lengths_in_its_width_profiles():
-    names = ["embed", "decode"]
-    with pytest.raises(ValueError, match="share one length"):
-        CostCurve([fake_costs(names, 10, 2), fake_costs(names, 12, 4)], [])
 
 
 def _all_simulated(model, batch, curve, p, cores=None):
@@ -160,29 +106,6 @@ def test_bad_arguments_are_explained(model, curve):
         plan(model, batch, 6, costs=curve)
 
 
-def test_kendall_tau_on_literal_orders():
-    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
-    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
-    with pytest.raises(ValueError, match="length >= 2"):
-        kendall_tau([1], [1])
-
-
-def test_measure_runs_the_top_candidates_for_real(model):
-    batch = make_batch(T=9, B=8)
-    costs = Costs.from_dict(fake_costs(model.layer_names, 9, 4).to_dict())
-    plans = plan(model, batch, 2, costs=costs, schedules=("gpipe", "1f1b"))
-    top = plans.top(3)
-    assert len(top) == 3 and [c.step_s for c in top] == sorted(c.step_s for c in top)
-    result = plans.measure(model, batch, top=3, steps=1, warmup=0)
-    assert [r["label"] for r in result.rows] == [c.label for c in top]
-    assert all(r["measured_s"] > 0 and r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
-               for r in result.rows)
-    assert -1.0 <= result.kendall_tau <= 1.0
-    assert "Kendall tau" in result.table()
-    assert all(p.grad is None for p in model.parameters())     # measuring leaves the model as it was
-
-
 def test_predict_epoch_sums_one_simulation_per_shape(model, curve):
     batch = make_batch(T=9, B=8)
     best = plan(model, batch, 2, costs=curve, schedules=("gpipe",), recompute=(None,)).best
@@ -220,7 +143,7 @@ def test_predict_epoch_follows_a_measured_epoch_of_mixed_buckets(one_thread):
     from conftest import VOCAB
     from mpedu.bucketing import BucketIterator
     from mpedu.pipeline import Pipeline
-    from mpedu.profile import profile_curve
+    from mpedu.costcurve import profile_curve
 
     model = tiny_model(num_layers=2, embed_size=128, hidden_size=256)
     g = torch.Generator().manual_seed(0)

@@ -86,14 +86,6 @@ def test_stage_cost_defaults_are_the_textbook_unit():
     assert (unit.backward, unit.backward_input, unit.backward_weight) == (3.0, 1.5, 1.5)
 
 
-def test_measure_cores_reports_how_many_workers_run_at_once():
-    from mpedu.profile import measure_cores
-    cores = measure_cores(2, repeats=1)
-    assert 0 < cores <= 2
-    with pytest.raises(ValueError, match="n >= 2"):
-        measure_cores(1)
-
-
 def test_profiling_leaves_the_random_stream_alone():
     model, batch = tiny_model(num_layers=1, dropout=0.5), make_batch()
     torch.manual_seed(7)
@@ -101,13 +93,6 @@ def test_profiling_leaves_the_random_stream_alone():
     torch.manual_seed(7)
     profile(model, batch, warmup=0, repeats=1)
     assert torch.equal(torch.rand(3), expected)
-
-
-def test_measure_cores_can_run_the_models_own_work():
-    from mpedu.profile import measure_cores
-    model = tiny_model(num_layers=1)
-    assert 0 < measure_cores(2, repeats=1, model=model, batch=make_batch()) <= 2
-    assert all(p.grad is None for p in model.parameters()), "the workers must train copies, not the model"
 
 
 @pytest.mark.cuda

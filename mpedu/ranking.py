@@ -1,0 +1,78 @@
+"""Did the predicted ranking hold? Plans run for real beside their predictions, compared by Kendall's tau."""
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass
+class Measurement:
+    """Candidates run for real beside their predictions."""
+
+    rows: list[dict]                # label, placement, predicted_s, measured_s (median), error, steps_s (each round)
+    kendall_tau: float              # +1: the measured order is the predicted order
+
+    @property
+    def worst_error(self) -> float:
+        return max(abs(r["error"]) for r in self.rows)
+
+    def table(self) -> str:
+        lines = [f"{'plan':<40}{'predicted ms':>13}{'measured ms':>12}{'error':>8}"]
+        for r in self.rows:
+            lines.append(f"{r['label']:<40}{r['predicted_s'] * 1e3:>13.1f}{r['measured_s'] * 1e3:>12.1f}"
+                         f"{r['error']:>+8.1%}")
+        lines.append(f"Kendall tau of the ranking {self.kendall_tau:+.2f}; worst error {self.worst_error:.1%}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def measure(candidates, model, batch, steps: int = 3, warmup: int = 1) -> Measurement:
+    """Run `candidates` (planner Candidates) for real (median of `steps` steps after `warmup`), one step of
+    each in turn per round so that drifting load falls on all alike; compare with their predictions."""
+    if len(candidates) < 2:
+        raise ValueError(f"only {len(candidates)} candidate(s) to measure; a ranking needs two or more "
+                         "(raise the memory cap, or allow more schedules)")
+    pipes = [c.pipeline(model) for c in candidates]
+    times = [[] for _ in candidates]
+    try:
+        for r in range(warmup + steps):
+            for k, pipe in enumerate(pipes):
+                model.zero_grad(set_to_none=True)
+                span = pipe.train_step(batch).timeline.makespan
+                if r >= warmup:
+                    times[k].append(span)
+    finally:
+        for pipe in pipes:
+            pipe.close()
+        model.zero_grad(set_to_none=True)
+    rows = []
+    for c, ts in zip(candidates, times):
+        measured = statistics.median(ts)
+        rows.append({"label": c.label, "placement": str(c.placement), "predicted_s": c.step_s,
+                     "measured_s": measured, "error": c.step_s / measured - 1, "steps_s": ts})
+    return Measurement(rows, kendall_tau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]))
+
+
+def kendall_tau(a, b) -> float:
+    """Kendall's tau-b between two orderings of the same items (ties count as neither)."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"kendall_tau needs two lists of one equal length >= 2, got {len(a)} and {len(b)}")
+    concordant = discordant = ties_a = ties_b = 0
+    for i, j in itertools.combinations(range(len(a)), 2):
+        x, y = (a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])
+        if x == 0 and y == 0:
+            continue
+        if x == 0:
+            ties_a += 1
+        elif y == 0:
+            ties_b += 1
+        elif x == y:
+            concordant += 1
+        else:
+            discordant += 1
+    n = concordant + discordant
+    denominator = ((n + ties_a) * (n + ties_b)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else 0.0

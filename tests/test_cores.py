@@ -1,0 +1,18 @@
+"""measure_cores: how many virtual devices' worth of work the machine does at once, from the model's own work or not."""
+import pytest
+
+from conftest import make_batch, tiny_model
+from mpedu.cores import measure_cores
+
+
+def test_measure_cores_reports_how_many_workers_run_at_once():
+    cores = measure_cores(2, repeats=1)
+    assert 0 < cores <= 2
+    with pytest.raises(ValueError, match="n >= 2"):
+        measure_cores(1)
+
+
+def test_measure_cores_can_run_the_models_own_work():
+    model = tiny_model(num_layers=1)
+    assert 0 < measure_cores(2, repeats=1, model=model, batch=make_batch()) <= 2
+    assert all(p.grad is None for p in model.parameters()), "the workers must train copies, not the model"
