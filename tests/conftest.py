@@ -47,6 +47,19 @@ def fake_costs(names, T, b, per_call=0.0):
 
 
 @pytest.fixture(scope="module")
+def corpus():
+    """The embedded corpus."""
+    from mpedu.data import load_corpus
+    return load_corpus()
+
+
+def first_batch(sentences, batch_size=6):
+    """The first batch of `sentences`, unshuffled."""
+    from mpedu.bucketing import BucketIterator
+    return next(iter(BucketIterator(sentences, batch_size, shuffle=False)))
+
+
+@pytest.fixture(scope="module")
 def little():
     """A slice of the embedded corpus: 16 batches of (at most) 16 an epoch, so a run takes about a second."""
     from mpedu.data import Corpus, load_corpus

@@ -8,15 +8,9 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import FUZZ
 from mpedu.bucketing import Batch, BucketIterator, StreamIterator, default_buckets, padding_fraction
-from mpedu.data import load_corpus
 
 
 EOS_ID = 2
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus()
 
 
 def expected_pieces(sentences, cap):

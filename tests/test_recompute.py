@@ -10,39 +10,11 @@ from mpedu.dropout import keep_mask
 from mpedu.footprint import parse_recompute, recompute_modes, recomputes
 from mpedu.pipeline import Pipeline
 from mpedu.simulate import simulate
-from mpedu.single import SingleDevice
+from test_exact import IDS, SCHEDULES, assert_same, grads, one_device  # the transparency suite's schedules, checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 
-# as in test_exact: embed alone on stage 0 (token ids in), floats into the others, devices revisited
-FOUR = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2:vgpu0 | decode:vgpu1"
-THREE = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2,decode:vgpu2"          # zb1: one stage per device
-SCHEDULES = [("naive", FOUR, 2, 1), ("gpipe", FOUR, 4, 1), ("1f1b", FOUR, 4, 1), ("interleaved", FOUR, 4, 1),
-             ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3)]
-IDS = [s[0] for s in SCHEDULES]
 P = 0.4          # dropout probability
-
-
-def grads(model):
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-
-def one_device(model, batches, seed=0):
-    runner, out = SingleDevice(model), []
-    runner.dropout_seed = seed
-    for batch in batches:
-        model.zero_grad(set_to_none=True)
-        out.append((runner.train_step(batch).loss, grads(model)))
-    return out
-
-
-def assert_same(got, expected):
-    """Equal losses and gradients to float rounding (micro-batches sum in another order than one batch)."""
-    for k, ((loss, g), (ref_loss, ref)) in enumerate(zip(got, expected, strict=True)):
-        assert loss == pytest.approx(ref_loss, rel=1e-6), f"batch {k}"
-        assert set(g) == set(ref)
-        for name in ref:
-            torch.testing.assert_close(g[name], ref[name], rtol=1e-5, atol=1e-7, msg=f"batch {k}: {name}")
 
 
 def recomputed(model, schedule, placement, m, chunks, batches, recompute, seed=0):

@@ -6,24 +6,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import VOCAB, lm, make_batch, tiny_model
-from mpedu.bucketing import BucketIterator
-from mpedu.data import load_corpus
+from conftest import VOCAB, first_batch, lm, make_batch, tiny_model
 from mpedu.pipeline import Pipeline
 from mpedu.runner import Runner, StepResult, check_batch, fit_width, fitted
 from mpedu.single import SingleDevice
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus()
-
-
-def first_batch(sentences, batch_size=6):
-    return next(iter(BucketIterator(sentences, batch_size, shuffle=False)))
 
 
 # ---------------------------------------------------------------- padding to the micro-batches

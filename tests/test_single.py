@@ -4,23 +4,13 @@ import copy
 import pytest
 import torch
 
-from conftest import lm
-from mpedu.bucketing import BucketIterator, StreamIterator
-from mpedu.data import load_corpus
+from conftest import first_batch, lm
+from mpedu.bucketing import StreamIterator
 from mpedu.model import nll_sum
 from mpedu.single import SingleDevice
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus()
-
-
-def first_batch(sentences, batch_size=6):
-    return next(iter(BucketIterator(sentences, batch_size, shuffle=False)))
 
 
 # ---------------------------------------------------------------- the reference runner

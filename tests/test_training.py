@@ -7,9 +7,8 @@ import re
 import pytest
 import torch
 
-from conftest import lm, quiet
-from mpedu.bucketing import BucketIterator
-from mpedu.data import Corpus, load_corpus
+from conftest import first_batch, lm, quiet
+from mpedu.data import Corpus
 from mpedu.history import History
 from mpedu.model import nll_sum
 from mpedu.pipeline import Pipeline
@@ -26,15 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 TWO = "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"          # the tiny config has lstm0, lstm1
 
 RUN = dict(batch_size=16, lr=5.0, seed=3, checkpoint_every=3)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return load_corpus()
-
-
-def first_batch(sentences, batch_size=6):
-    return next(iter(BucketIterator(sentences, batch_size, shuffle=False)))
 
 
 # ---------------------------------------------------------------- the runner
