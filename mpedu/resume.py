@@ -58,8 +58,8 @@ def restore(path: Path, model, optimizer, vocab, settings: dict, options: dict, 
     if pos["epoch"] > epochs or (pos["epoch"] == epochs and pos["batch"] > 0):
         done = f"{pos['epoch']} epochs" + (f" and {pos['batch']} batches of epoch {pos['epoch'] + 1}"
                                            if pos["batch"] else "")
-        raise CheckpointError(f"checkpoint {path} has already trained {done}, more than the {epochs} epochs asked "
-                              f"for; a run cannot go back, and the checkpoint was left as it is. Pass --epochs "
+        raise CheckpointError(f"checkpoint {path} has already trained {done}, more than asked for (--epochs {epochs}); "
+                              f"a run cannot go back, and the checkpoint was left as it is. Pass --epochs "
                               f"{pos['epoch'] + 1} or more to train further, or another --out to start afresh")
     saved = ckpt.get("options") if isinstance(ckpt.get("options"), dict) else {}
     old_lr = optimizer.param_groups[0]["lr"]

@@ -201,7 +201,7 @@ def test_fewer_epochs_than_trained_is_refused_and_the_checkpoint_is_untouched(ca
     capsys.readouterr()
     assert cli.main(["train", *QUICK, "--epochs", "1", "--out", str(tmp_path), "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "has already trained 2 epochs, more than the 1 epochs" in err and "--epochs 3 or more" in err
+    assert "has already trained 2 epochs, more than asked for (--epochs 1)" in err and "--epochs 3 or more" in err
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
     # the same --epochs again: nothing to train, nothing rewritten, the summary as it was
     assert cli.main(["train", *QUICK, "--epochs", "2", "--out", str(tmp_path), "--resume", "--json"]) == 0
