@@ -9,7 +9,9 @@ BOARD_ESM = r"""
 function render({ model, el }) {
   // Redrawing replaces every chip; under a drag that would remove the chip being dragged (and the drop
   // with it). So a change that arrives mid-drag (the kernel's new notes, say) is drawn when the drag ends.
-  let dragging = false, stale = false;
+  // `dragged` is the chip whose drag is under way: only its own dragend ends it (a late dragend from a chip
+  // an earlier drawing replaced must not end a newer drag).
+  let dragged = null, stale = false;
   const div = (cls, text = "") => Object.assign(document.createElement("div"), { className: cls, textContent: text });
   const move = (layer, device) => {
     const a = { ...model.get("assignment") };
@@ -48,8 +50,12 @@ function render({ model, el }) {
         // this attribute tells their shortcut handler to leave a chip's keys to the chip
         chip.dataset.lmSuppressShortcuts = "true";
         chip.append(div("mpedu-name", l), div("mpedu-cost", costs[l] || ""));
-        chip.addEventListener("dragstart", (e) => { dragging = true; e.dataTransfer.setData("text/plain", l); });
-        chip.addEventListener("dragend", () => { dragging = false; if (stale) { stale = false; draw(); } });
+        chip.addEventListener("dragstart", (e) => { dragged = chip; e.dataTransfer.setData("text/plain", l); });
+        chip.addEventListener("dragend", () => {
+          if (dragged !== chip) return;
+          dragged = null;
+          if (stale) { stale = false; draw(); }
+        });
         chip.addEventListener("keydown", (e) => {
           const step = { ArrowLeft: -1, ArrowRight: 1 }[e.key];
           if (!step) return;
@@ -79,7 +85,7 @@ function render({ model, el }) {
     });
     if (focused) el.querySelector(`[data-layer="${focused}"]`)?.focus({ preventScroll: true });
   };
-  const redraw = () => { if (dragging) stale = true; else draw(); };
+  const redraw = () => { if (dragged) stale = true; else draw(); };
   const names = ["layers", "devices", "assignment", "layer_notes", "device_notes", "locked"];
   names.forEach((n) => model.on(`change:${n}`, redraw));
   draw();
