@@ -358,22 +358,25 @@ def _a_change_during_a_drag_is_drawn_when_it_ends(page, server: Server) -> None:
     explorer = page.locator(".mpedu-explorer").last
     state = server.read_state()
     feet = lambda: explorer.locator(".mpedu-foot").all_inner_texts()   # noqa: E731  (busy and memory per device)
-    old_feet, revision = feet(), _revision(explorer)
-    chip = explorer.locator(".mpedu-chip").first
-    chip.evaluate("chip => { chip.dataset.probe = 'kept'; }")           # a redraw would drop this mark
     transfer = page.evaluate_handle("() => new DataTransfer()")
-    chip.dispatch_event("dragstart", {"dataTransfer": transfer})
+    # Mark a chip and start its drag in one step: the kernel may still be sending the last run's notes, and a
+    # redraw between the two would drop the mark before the drag began (a loaded machine once did just that).
+    explorer.locator(".mpedu-chip").first.evaluate(
+        "(chip, transfer) => { chip.dataset.probe = 'kept'; "
+        "chip.dispatchEvent(new DragEvent('dragstart', { dataTransfer: transfer, bubbles: true })); }", transfer)
+    chip = explorer.locator(".mpedu-chip[data-probe='kept']")          # a redraw would drop this mark
+    old_feet, revision = feet(), _revision(explorer)                    # from now on the board holds still
 
     new = "1f1b" if state["schedule"] != "1f1b" else "gpipe"            # another peak memory per device
     explorer.locator("select").first.select_option(label=SCHEDULES[new])
     _wait_for(lambda: (s := server.read_state()) and s["schedule"] == new, 20, f"the kernel to take {new}")
     # the kernel sends the board's notes before the picture, so a new picture means the notes have arrived
     _wait_for(lambda: _revision(explorer) > revision, 20, f"the {new} timeline")
-    assert explorer.locator(".mpedu-chip[data-probe='kept']").count() == 1, "the board was redrawn mid-drag"
+    assert chip.count() == 1, "the board was redrawn mid-drag"
     assert feet() == old_feet
 
     chip.dispatch_event("dragend", {"dataTransfer": transfer})
-    _wait_for(lambda: explorer.locator(".mpedu-chip[data-probe='kept']").count() == 0 and feet() != old_feet, 10,
+    _wait_for(lambda: chip.count() == 0 and feet() != old_feet, 10,
               "the board to redraw once the drag ended")
 
 
