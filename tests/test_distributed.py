@@ -86,6 +86,23 @@ def torchrun(*args, env=None, timeout=120, processes=2):
     return proc, time.monotonic() - start
 
 
+def assert_trained_as_one_process(summary, model_file):
+    """A torchrun job's perplexities and gathered weights (rank 0 writes every rank's layers) equal one process
+    training the tiny model for the same 2 batches."""
+    from mpedu.checkpoint import load_model
+    from mpedu.data import load_corpus
+    from mpedu.training import train
+    corpus = load_corpus()
+    torch.manual_seed(0)
+    model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
+    history = train(model, corpus, epochs=1, limit_batches=2, progress=False, log=lambda *a: None)
+    for key in ("train_ppl", "valid_ppl", "test_ppl"):
+        assert summary[key] == pytest.approx(history.summary()[key], rel=1e-4), key
+    trained, _ = load_model(model_file)
+    for (name, a), b in zip(model.state_dict().items(), trained.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @needs_gloo
 def test_gpipe_1f1b_and_a_hand_written_schedule_give_the_loss_and_gradients_of_one_process(tmp_path):
     (tmp_path / "mine.txt").write_text(HAND)      # run as written: mpedu validates it, torch's runtime plays it
@@ -131,24 +148,13 @@ def test_gpipe_1f1b_and_a_hand_written_schedule_give_the_loss_and_gradients_of_o
 
 @needs_gloo
 def test_train_gives_the_single_process_result(tmp_path):
-    from mpedu.data import load_corpus
-    from mpedu.checkpoint import load_model
-    from mpedu.training import train
     # --runtime torch: PyTorch's own Schedule1F1B (the 4-process test below trains with mpedu's action lists)
     proc, _ = torchrun("train", "--limit-batches", "2", "--epochs", "1", "--schedule", "1f1b", "--json",
                        "--out", str(tmp_path), "--no-progress", "--runtime", "torch")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["torch_schedule"] == "Schedule1F1B" and summary["world_size"] == 2
-    corpus = load_corpus()
-    torch.manual_seed(0)
-    model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
-    history = train(model, corpus, epochs=1, limit_batches=2, progress=False, log=lambda *a: None)
-    for key in ("train_ppl", "valid_ppl", "test_ppl"):
-        assert summary[key] == pytest.approx(history.summary()[key], rel=1e-4), key
-    trained, _ = load_model(tmp_path / "model.pt")             # gathered from both ranks by rank 0
-    for (name, a), b in zip(model.state_dict().items(), trained.state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+    assert_trained_as_one_process(summary, tmp_path / "model.pt")
     timeline = json.loads((tmp_path / "last_step.timeline.json").read_text())
     assert {e["device"] for e in timeline["events"]} == {"rank:0", "rank:1"}
 
@@ -204,24 +210,13 @@ def test_two_replicas_of_a_two_stage_pipeline_check_equal_to_one_process(tmp_pat
 
 @needs_gloo
 def test_two_replicas_train_as_one_process_on_the_whole_batch(tmp_path):
-    from mpedu.checkpoint import load_model
-    from mpedu.data import load_corpus
-    from mpedu.training import train
     proc, _ = torchrun("train", "--pipeline-devices", "2", "--limit-batches", "2", "--epochs", "1", "--json",
                        "--out", str(tmp_path), "--no-progress", processes=4, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (summary["replicas"], summary["pipeline_devices"], summary["world_size"]) == (2, 2, 4)
     assert summary["runtime"] == "mpedu" and summary["torch_schedule"] == "_PipelineScheduleRuntime"
-    corpus = load_corpus()
-    torch.manual_seed(0)
-    model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
-    history = train(model, corpus, epochs=1, limit_batches=2, progress=False, log=lambda *a: None)
-    for key in ("train_ppl", "valid_ppl", "test_ppl"):
-        assert summary[key] == pytest.approx(history.summary()[key], rel=1e-4), key
-    trained, _ = load_model(tmp_path / "model.pt")
-    for (name, a), b in zip(model.state_dict().items(), trained.state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+    assert_trained_as_one_process(summary, tmp_path / "model.pt")
     # one picture of the last step: four rows, each with its all-reduce after its backwards
     timeline = json.loads((tmp_path / "last_step.timeline.json").read_text())
     assert timeline["devices"] == [f"rank:{r}" for r in range(4)]
