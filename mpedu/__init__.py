@@ -1,4 +1,7 @@
 """mpedu: learn model-parallel training of a stacked LSTM language model, step by step."""
+from .allocator import keep_freed_memory
+
+keep_freed_memory()     # glibc keeps freed memory for the next step; early, before any worker thread exists
 from .balance import balance, balance_by_params, balance_by_time
 from .bucketing import Batch, BucketIterator, StreamIterator
 from .checkpoint import load_model

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .allocator import keep_freed_memory
+
 
 @dataclass(frozen=True)
 class Device:
@@ -168,6 +170,7 @@ class Worker:
         (None off a GPU); the default is `start_device`. If it raises (a GPU in exclusive-process
         mode that another process holds, no memory left for a CUDA context), the constructor raises
         a RuntimeError naming the device, instead of waiting for a thread that will never be ready."""
+        keep_freed_memory()    # before the thread's first allocation gives it an arena of its own
         self.device = device
         self.stream = None
         self._start = start or start_device

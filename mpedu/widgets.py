@@ -9,6 +9,7 @@ import threading
 import ipywidgets as w
 import torch
 
+from .bestplans import BestPlans
 from .board import LayerBoard
 from .costcurve import CostCurve
 from .devices import get_device, get_devices, usable_cores
@@ -22,18 +23,7 @@ from .refusals import check
 from .simulate import simulate
 from .timeline_view import TimelineView
 from .training import step
-
-SCHEDULES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe", "1f1b": "1F1B",
-             "interleaved": "interleaved 1F1B", "zb1": "zero bubble (ZB-H1)", "wavefront": "wavefront (time chunks)"}
-# A CPU core computes about 100x slower than a GPU: a link slowed as much keeps a GPU's compute-to-communication ratio.
-SLOWDOWNS = {1: "1× (as it is)", 10: "10×", 100: "100× (GPU-like)"}
-# Activation recomputation (Pipeline's recompute=): the menu's keys; "none" is recompute=None
-RECOMPUTE = {"none": "keep activations", "all": "recompute every micro-batch",
-             "all-but-last": "recompute all but the last micro-batch"}
-
-
-def _sequences(b: int) -> str:
-    return f"{b} sequence" if b == 1 else f"{b} sequences"
+from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, link_label, sequences
 
 
 class PipelineExplorer(w.VBox):
@@ -45,14 +35,16 @@ class PipelineExplorer(w.VBox):
         explorer.placement            # the board as a Placement (None while it is refused); assignable
 
     Costs come from `profile`, measured once per micro-batch shape (pass `costs`, one or a list, to reuse
-    yours). A new
-    micro-batch size is first drawn from the nearest measured size, scaled per sequence, while its real costs
-    are measured in the background; the drawing then updates by itself.
+    yours). A new micro-batch size is first drawn from the nearest measured size, scaled per sequence, while its
+    real costs are measured in the background; the drawing then updates by itself.
+
+    Under the controls, `explorer.best_plans` lists the planner's fastest plans for these devices and link within
+    `memory_cap` (bytes or "40MB" per device; a box there changes it), each one click from the board.
     """
 
     def __init__(self, model, batch, devices: int | list = 2, schedule: str = "gpipe", micro_batches: int = 4,
                  chunks: int = 2, costs=None, steps: int = 5, link: str = "shared", slowdown: int = 1,
-                 state_file=None, recompute: str | None = None):
+                 state_file=None, recompute: str | None = None, memory_cap=None):
         T, B = batch.inputs.shape
         if B % micro_batches:
             raise ValueError(f"micro_batches={micro_batches} does not divide the batch size {B}; "
@@ -89,7 +81,7 @@ class PipelineExplorer(w.VBox):
                                         description="schedule", **menu)
         self.chunks = w.IntSlider(chunks, 1, max(1, min(8, T)), description="time chunks (wavefront only)",
                                   **wide)
-        self.link_menu = w.Dropdown(options=[(_link_label(k, v), k) for k, v in LINKS.items()],
+        self.link_menu = w.Dropdown(options=[(link_label(k, v), k) for k, v in LINKS.items()],
                                     value=link, description="link", **menu)
         self.slowdown = w.Dropdown(options=[(text, f) for f, text in SLOWDOWNS.items()], value=slowdown,
                                    description="GPU-like slow-down", **menu,
@@ -101,6 +93,8 @@ class PipelineExplorer(w.VBox):
                                                  "again before the backward (less memory, more time)")
         self.message, self.figure_line, self.note, self.run_status = w.HTML(), w.HTML(), w.HTML(), w.HTML()
         self.note.add_class("mpedu-note")
+        self.message.add_class("mpedu-message")        # the placement's own line (the best plans name others)
+        self.best_plans = BestPlans(model, batch, self.apply, memory_cap)   # the planner's fastest, one click away
         self.fix_button = w.Button(layout=w.Layout(display="none", width="max-content"))
         self.timeline = TimelineView()
         self.run_button = w.Button(description=f"Run {steps} steps", icon="play", button_style="success")
@@ -119,7 +113,8 @@ class PipelineExplorer(w.VBox):
                           w.HBox([self.schedule_menu, self.chunks]), w.HBox([self.link_menu, self.slowdown]),
                           self.recompute_menu,
                           self.message, self.fix_button, self.figure_line, self.note, self.timeline,
-                          w.HBox([self.run_button, self.stop_button, self.progress]), self.run_status])
+                          w.HBox([self.run_button, self.stop_button, self.progress]), self.run_status,
+                          self.best_plans])
         self.add_class("mpedu-explorer")
         self._update()
 
@@ -138,10 +133,13 @@ class PipelineExplorer(w.VBox):
 
     @placement.setter
     def placement(self, placement: Placement | str | dict) -> None:
+        self._place(placement)
+
+    def _place(self, placement: Placement | str | dict, menus=()) -> None:
         if not isinstance(placement, Placement):
             placement = (Placement.parse if isinstance(placement, str) else Placement.from_dict)(placement, self.model)
         names = sorted({d.name for d in placement.devices}, key=lambda n: (len(n), n))   # vgpu:2 before vgpu:10
-        self._set_board(names, {k: v.name for k, v in placement.assignment.items()})
+        self._set_board(names, {k: v.name for k, v in placement.assignment.items()}, menus)
 
     @property
     def recompute(self) -> str | None:
@@ -154,11 +152,20 @@ class PipelineExplorer(w.VBox):
         link = LINKS[self.link_menu.value]
         return link.slowed(self.slowdown.value) if link.emulated and self.slowdown.value != 1 else link
 
-    def _set_board(self, devices: list[str], assignment: dict) -> None:
-        """Change columns, chips and device count together, then redraw once."""
+    def apply(self, plan) -> None:
+        """Show a planner's plan (mpedu.planner.Candidate, a row of the best plans): its placement, schedule,
+        micro-batches, time chunks and recomputation, all set together and drawn once."""
+        chunks = [(self.chunks, plan.chunks)] if plan.chunks > 1 else []   # other schedules ignore the slider
+        self._place(plan.placement, [(self.schedule_menu, plan.schedule), (self.micro_batches, plan.micro_batches),
+                                     (self.recompute_menu, plan.recompute or "none"), *chunks])
+
+    def _set_board(self, devices: list[str], assignment: dict, menus=()) -> None:
+        """Change columns, chips and device count together (and any (control, value) in `menus`), then redraw once."""
         self._quiet = True
         try:
             self.board.devices, self.board.assignment, self.device_count.value = devices, assignment, len(devices)
+            for control, value in menus:
+                control.value = value
         finally:
             self._quiet = False
         self._update()
@@ -193,7 +200,7 @@ class PipelineExplorer(w.VBox):
         if key in self._costs:
             return self._costs[key], True
         if not self._costs:                                # nothing to start from: measure now, once
-            self.message.value = f"measuring the layers on micro-batches of {_sequences(B // m)} (once)…"
+            self.message.value = f"measuring the layers on micro-batches of {sequences(B // m)} (once)…"
             with self._model_lock:
                 self._costs[key] = profile(self.model, self.batch, device, micro_batches=m, warmup=1, repeats=3)
             return self._costs[key], True
@@ -212,7 +219,7 @@ class PipelineExplorer(w.VBox):
                 costs = profile(self.model, self.batch, device, micro_batches=m, warmup=1, repeats=3)
             self._costs[T, B // m] = costs
         except Exception as error:                         # shown in the widget, never as a traceback
-            self.note.value = _error(f"could not measure micro-batches of {_sequences(B // m)}: {error}")
+            self.note.value = _error(f"could not measure micro-batches of {sequences(B // m)}: {error}")
             return
         finally:
             self._measuring.pop(m, None)
@@ -239,6 +246,7 @@ class PipelineExplorer(w.VBox):
                 self.board.device_notes = {}
                 self.timeline.layout.display, self.run_button.disabled = "none", True   # no blank space left
                 self.timeline.show([], [])
+                self.best_plans.compare()
             else:
                 self._fix = None
                 self._describe(placement, schedule, costs, measured)
@@ -246,6 +254,10 @@ class PipelineExplorer(w.VBox):
                 self.timeline.show([self.predicted],
                                    [self._title(self.predicted, "predicted step" if measured else "estimated step")])
                 self.timeline.layout.display, self.run_button.disabled = None, self.running
+                choice = (str(placement), schedule.name, schedule.micro_batches, schedule.chunks, self.recompute)
+                self.best_plans.compare(choice, self.predicted.makespan, max(self.figures["memory_bytes"].values()))
+            # a no-op unless the devices, link, cap or measured costs changed: the planner does not run per drag
+            self.best_plans.refresh(self.board.devices, self.link, list(self._costs.values()))
             self.fix_button.description = self._fix[0] if self._fix else ""
             self.fix_button.layout.display = None if self._fix else "none"
             self._redraws += 1
@@ -271,30 +283,13 @@ class PipelineExplorer(w.VBox):
             f"bubble <b>{f['bubble']:.0%}</b> · <b>{f['speedup']:.2f}×</b> the speed of one device doing the same "
             f"{m} micro-batch{'es' if m > 1 else ''} · <b>{f['transfers']}</b> transfers "
             f"({f['bytes_moved'] / 1e6:.1f} MB) · {f['stages']} stages on {len(t.devices)} devices")
-        self.note.value = self._note(costs, measured)
+        self.note.value = cost_note(costs, self._costs.values(), measured)
         top = max(memory.values()) or 1
         self.board.device_notes = {d: {"text": f"busy {t.busy(d) * 1e3:.0f} ms of {t.makespan * 1e3:.0f}\n"
                                                f"memory {memory[d] / 1e6:.1f} MB", "fill": memory[d] / top}
                                    for d in t.devices}
         self.board.layer_notes = {name: f"{(fw + bw) * 1e3:.1f} ms"
                                   for name, fw, bw in zip(costs.names, costs.forward, costs.backward)}
-
-    def _note(self, costs, measured: bool) -> str:
-        """Why the numbers may surprise: an estimate, or small micro-batches that make every layer slower."""
-        b = costs.micro_batch[1]
-        if not measured:
-            return (f"Estimated from the nearest measured micro-batch size, scaled per sequence; measuring the "
-                    f"layers on micro-batches of {_sequences(b)} now (the numbers update by themselves)…")
-        per_sequence = {c.micro_batch[1]: (sum(c.forward) + sum(c.backward)) / c.micro_batch[1]
-                        for c in self._costs.values() if c.micro_batch[0] == costs.micro_batch[0]}
-        best = min(per_sequence, key=per_sequence.get)
-        ratio = per_sequence[b] / per_sequence[best]
-        if ratio < 1.15:
-            return ""
-        return (f"Micro-batches of {_sequences(b)} cost the layers {ratio:.1f}× the time per sequence that "
-                f"micro-batches of {_sequences(best)} do (small matrix products keep a core less busy). So the step "
-                f"can get slower while the speed against one device rises: that device does the same small "
-                f"micro-batches one after another.")
 
     # -- real steps ---------------------------------------------------------------------
     def run(self, steps: int | None = None) -> None:
@@ -329,6 +324,7 @@ class PipelineExplorer(w.VBox):
         for thread in [self._thread, *list(self._measuring.values())]:
             if thread is not None:
                 thread.join(timeout)
+        self.best_plans.wait(timeout)                      # last: a measurement that ends starts a search
 
     def _train(self, placement, schedule, here, steps, cores) -> None:
         # the command line's step (mpedu.training.step), with its learning rate and clipping, for a few steps
@@ -371,6 +367,7 @@ class PipelineExplorer(w.VBox):
         self.chunks.disabled = on or self.schedule_menu.value != "wavefront"
         self.slowdown.disabled = on or not LINKS[self.link_menu.value].emulated
         self.board.locked, self.stop_button.disabled = on, not on
+        self.best_plans.lock(on)
 
     def _save_state(self) -> None:
         """What Python sees, as JSON (written whole, then renamed: a reader never sees half a file)."""
@@ -387,13 +384,6 @@ class PipelineExplorer(w.VBox):
             with open(tmp, "w") as f:
                 json.dump(state, f)
             os.replace(tmp, self.state_file)
-
-
-def _link_label(key: str, link) -> str:
-    speed = "no added delay" if not link.emulated else (
-        f"{link.latency_s * 1e6:g} µs + "
-        + ("no bandwidth limit" if link.bandwidth_Bps == float("inf") else f"{link.bandwidth_Bps / 1e9:g} GB/s"))
-    return f"{getattr(link, 'name', key)} ({speed})"
 
 
 def _error(error) -> str:

@@ -3,7 +3,8 @@ notebook runs, a layer chip is dragged to another device, the kernel sees it and
 from the kernel during a drag waits for the drag to end; a refused choice leaves no stale figure, status or blank
 space; three arrow presses in a row each move a chip; every position of the sliders is accepted; and the time
 from a drop or a slider's release to the new timeline is measured in the browser (printed, never asserted: shared
-machines are noisy). MPEDU_SCREENSHOTS=<folder> saves the explorer at 1280x720 and 1440x900 there."""
+machines are noisy). In JupyterLab, a best plan's "apply" puts its placement on the board. MPEDU_SCREENSHOTS=<folder>
+saves the explorer at 1280x720 and 1440x900 there, and the best plans."""
 import contextlib
 import importlib.util
 import json
@@ -23,7 +24,8 @@ from typing import NamedTuple
 import pytest
 
 from mpedu.placement import Placement
-from mpedu.widgets import LINKS, SCHEDULES, SLOWDOWNS, _link_label
+from mpedu.wording import SCHEDULES, SLOWDOWNS, link_label
+from mpedu.link import LINKS
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "04_partitioning.ipynb"
@@ -268,8 +270,10 @@ def server(request, tmp_path):
         _stop(process, dirs["runtime"])
 
 
-# -- the test --------------------------------------------------------------------------------------
-def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(sync_playwright, server, tmp_path):
+# -- the tests -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _notebook_run(sync_playwright, server: Server, tmp_path: Path):
+    """A browser page on the served notebook once every cell has run; on a failure, a screenshot and the log."""
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
@@ -282,13 +286,7 @@ def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(sync_playwri
         try:
             page.goto(f"{server.base}{server.front_end.path(NOTEBOOK)}?token={server.token}", wait_until="commit")
             server.front_end.run_all(page, server)
-            _drag_a_layer_and_train(page, server)
-            _a_change_during_a_drag_is_drawn_when_it_ends(page, server)
-            _a_refused_choice_leaves_nothing_stale(page, server)
-            _three_arrow_presses_move_a_chip_three_times(page, server)
-            _every_slider_position_is_accepted(page, server)
-            _redraw_times(page, server)
-            _fits_a_laptop_screen(page, server, Path(os.environ.get("MPEDU_SCREENSHOTS") or tmp_path))
+            yield page
         except BaseException:
             with contextlib.suppress(Exception):                   # look here when it fails
                 page.screenshot(path=str(tmp_path / "failure.png"))
@@ -296,6 +294,43 @@ def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(sync_playwri
             raise
         finally:
             browser.close()
+
+
+def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(sync_playwright, server, tmp_path):
+    with _notebook_run(sync_playwright, server, tmp_path) as page:
+        _drag_a_layer_and_train(page, server)
+        _a_change_during_a_drag_is_drawn_when_it_ends(page, server)
+        _a_refused_choice_leaves_nothing_stale(page, server)
+        _three_arrow_presses_move_a_chip_three_times(page, server)
+        _every_slider_position_is_accepted(page, server)
+        _redraw_times(page, server)
+        _fits_a_laptop_screen(page, server, Path(os.environ.get("MPEDU_SCREENSHOTS") or tmp_path))
+
+
+@pytest.mark.parametrize("server", FRONT_ENDS[:1], ids=[FRONT_ENDS[0].id], indirect=True)   # JupyterLab only
+def test_a_best_plan_row_puts_its_placement_on_the_board(sync_playwright, server, tmp_path):
+    """Clicking a row's "apply" in the best plans: the kernel takes the row's plan and the page draws its chips."""
+    with _notebook_run(sync_playwright, server, tmp_path) as page:
+        explorer = page.locator(".mpedu-explorer").last
+        before = _settled(page, server)
+        rows = explorer.locator(".mpedu-plan")
+        _wait_for(lambda: rows.count() > 0, 30, "the best plans to be listed")
+        # a row's text ends with its placement, as the board's message writes it (then "← your choice" on yours)
+        texts = [t.replace("← your choice", "").rsplit(" · ", 1)[-1].strip() for t in rows.all_inner_texts()]
+        i = next((k for k, t in enumerate(texts) if t != before["placement"]), None)
+        assert i is not None, f"every best plan has the placement already on the board: {texts}"
+        row = rows.nth(i)
+        row.scroll_into_view_if_needed()
+        row.locator("button", has_text="apply").click()
+        after = _wait_for(lambda: (s := server.read_state()) and s["placement"] == texts[i] and s, 20,
+                          f"the kernel to take the row's placement ({texts[i]})")
+        _wait_for(lambda: _board(explorer) == after["assignment"] != before["assignment"]
+                  and texts[i] in explorer.locator(".mpedu-message").inner_text(), 10,
+                  "the row's placement drawn on the board and named under it")
+        _wait_for(lambda: "← your choice" in rows.nth(i).inner_text(), 10, "the row marked as the choice")
+        folder = Path(os.environ.get("MPEDU_SCREENSHOTS") or tmp_path)   # for a person to look at
+        folder.mkdir(parents=True, exist_ok=True)
+        explorer.locator(".mpedu-best-plans").screenshot(path=str(folder / f"best-plans-{server.front_end.id}.png"))
 
 
 def _drag_a_layer_and_train(page, server: Server) -> None:
@@ -307,7 +342,8 @@ def _drag_a_layer_and_train(page, server: Server) -> None:
     explorer.scroll_into_view_if_needed()
     # The kernel is idle before the page has drawn all it sent (the last cell changes the placement): wait
     # for the page, or a late picture would pass for the redraw checked below.
-    _wait_for(lambda: _board(explorer) == before["assignment"] and before["placement"] in explorer.inner_text(),
+    message = explorer.locator(".mpedu-message")           # the placement's own line: the best plans name others
+    _wait_for(lambda: _board(explorer) == before["assignment"] and before["placement"] in message.inner_text(),
               20, f"the page to show the kernel's placement ({before['placement']})")
     revision = _steady(lambda: _revision(explorer), 1.0, 20, "a steady timeline picture")
 
@@ -324,7 +360,7 @@ def _drag_a_layer_and_train(page, server: Server) -> None:
                       f"the kernel to see {layer} on {target} ({expected})")
     assert after["redraws"] > before["redraws"]
     assert after["assignment"][layer] == target
-    _wait_for(lambda: _board(explorer) == after["assignment"] and expected in explorer.inner_text(), 10,
+    _wait_for(lambda: _board(explorer) == after["assignment"] and expected in message.inner_text(), 10,
               "the new placement on the page")
     # (2) the person's side: a new timeline picture
     _wait_for(lambda: _revision(explorer) == after["revision"] > revision, 20, "the timeline to redraw")
@@ -545,7 +581,7 @@ def _fits_a_laptop_screen(page, server: Server, folder: Path) -> None:
         explorer.locator("button", has_text="deal the layers in turn").click()
         _wait_for(lambda: (s := server.read_state()) and s["placement"], 20, "the layers dealt in turn")
     menus = explorer.locator("select")
-    menus.nth(1).select_option(label=_link_label("pcie4", LINKS["pcie4"]))
+    menus.nth(1).select_option(label=link_label("pcie4", LINKS["pcie4"]))
     _wait_for(lambda: not menus.nth(2).is_disabled(), 20, "the slow-down to be offered for an emulated link")
     menus.nth(2).select_option(label=SLOWDOWNS[100])
     _wait_for(lambda: (s := server.read_state()) and s["link"] == "pcie4" and s["placement"], 20, "PCIe slowed 100x")

@@ -11,11 +11,13 @@ import torch
 pytest.importorskip("anywidget")
 
 from conftest import make_batch, tiny_model  # noqa: E402
+from mpedu.wording import SCHEDULES  # noqa: E402
+from mpedu.link import LINKS  # noqa: E402
 from mpedu.placement import Placement  # noqa: E402
 from mpedu.profile import Costs  # noqa: E402
 from mpedu.refusals import Refusal, dealt  # noqa: E402
 from mpedu.timeline import Timeline  # noqa: E402
-from mpedu.widgets import LINKS, SCHEDULES, PipelineExplorer  # noqa: E402
+from mpedu.widgets import PipelineExplorer  # noqa: E402
 
 B, T, M = 8, 9, 4
 

@@ -1,0 +1,41 @@
+"""The explorer's words: its menus (schedules, links, slow-downs, recomputation), and why its numbers may surprise."""
+from __future__ import annotations
+
+SCHEDULES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe", "1f1b": "1F1B",
+             "interleaved": "interleaved 1F1B", "zb1": "zero bubble (ZB-H1)", "wavefront": "wavefront (time chunks)"}
+# A CPU core computes about 100x slower than a GPU: a link slowed as much keeps a GPU's compute-to-communication ratio.
+SLOWDOWNS = {1: "1× (as it is)", 10: "10×", 100: "100× (GPU-like)"}
+# Activation recomputation (Pipeline's recompute=): the menu's keys; "none" is recompute=None
+RECOMPUTE = {"none": "keep activations", "all": "recompute every micro-batch",
+             "all-but-last": "recompute all but the last micro-batch"}
+
+
+def link_label(key: str, link) -> str:
+    """A link menu's entry: its name, latency and bandwidth."""
+    speed = "no added delay" if not link.emulated else (
+        f"{link.latency_s * 1e6:g} µs + "
+        + ("no bandwidth limit" if link.bandwidth_Bps == float("inf") else f"{link.bandwidth_Bps / 1e9:g} GB/s"))
+    return f"{getattr(link, 'name', key)} ({speed})"
+
+
+def sequences(b: int) -> str:
+    return f"{b} sequence" if b == 1 else f"{b} sequences"
+
+
+def cost_note(costs, profiles, measured: bool) -> str:
+    """Why the numbers may surprise: an estimate, or small micro-batches that make every layer slower. `costs`:
+    the profile (mpedu.profile.Costs) the step was drawn from; `profiles`: every one measured so far."""
+    b = costs.micro_batch[1]
+    if not measured:
+        return (f"Estimated from the nearest measured micro-batch size, scaled per sequence; measuring the "
+                f"layers on micro-batches of {sequences(b)} now (the numbers update by themselves)…")
+    per_sequence = {c.micro_batch[1]: (sum(c.forward) + sum(c.backward)) / c.micro_batch[1]
+                    for c in profiles if c.micro_batch[0] == costs.micro_batch[0]}
+    best = min(per_sequence, key=per_sequence.get)
+    ratio = per_sequence[b] / per_sequence[best]
+    if ratio < 1.15:
+        return ""
+    return (f"Micro-batches of {sequences(b)} cost the layers {ratio:.1f}× the time per sequence that "
+            f"micro-batches of {sequences(best)} do (small matrix products keep a core less busy). So the step "
+            f"can get slower while the speed against one device rises: that device does the same small "
+            f"micro-batches one after another.")
