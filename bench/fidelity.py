@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, random_batch  # noqa: E402
+from quiet import quiet_rounds  # noqa: E402
 
 from mpedu.balance import balance_by_time  # noqa: E402
 from mpedu.model import LSTMLM, LMConfig  # noqa: E402
@@ -57,6 +58,8 @@ def _profiles(model, batch, warmup, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--retries", type=int, default=None,
+                        help="rounds run again when other work came in the middle (default: --rounds)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model = LSTMLM(VOCAB, CONFIG)
@@ -89,9 +92,13 @@ def main(argv=None):
         pipes[name].train_step(data[which])             # warm-up
     # Rounds: the profiles, then one step of every case. Load from other work drifts over
     # minutes; interleaving spreads it evenly over the profiles and all cases.
+    # Each round waits for a quiet moment and is run again if other processes took more than a tenth
+    # of a core meanwhile (bench/quiet.py): the prediction is for cores this benchmark has to itself.
     profiles, measured = [first], {case[0]: [] for case in cases}
     loads, cores, cores3 = [], [], []
-    for r in range(args.rounds):
+    lists = [loads, cores, cores3, profiles] + list(measured.values())
+
+    def one_round(r):
         loads.append(os.getloadavg()[0])
         cores.append(measure_cores(len(DEVICES), repeats=1, model=model, batch=micro))
         cores3.append(measure_cores(len(DEVICES3), repeats=1, model=model, batch=micro))
@@ -99,6 +106,9 @@ def main(argv=None):
         for name, *_, which in cases:
             model.zero_grad()
             measured[name].append(pipes[name].train_step(data[which]).timeline)
+        return lambda: [values.pop() for values in lists]
+
+    other = quiet_rounds(one_round, args.rounds, retries=args.retries)
     costs = [Costs.median([run[k] for run in profiles]) for k in range(len(first))]
     curve = CostCurve([costs[0]], costs[1:])
     link = Link(statistics.median(Link.fit(tl).latency_s for tls in measured.values() for tl in tls))
@@ -145,12 +155,19 @@ def main(argv=None):
               "what they get swings within seconds, more than the profile can follow")
     print(f"worst error {worst:.1%} over all cases (target 15%); {worst_own:.1%} where each device has a core "
           f"(target 5% on a quiet machine); error = predicted / measured - 1, median of {args.rounds} steps; "
-          f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
+          f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores; other processes used "
+          f"{_cores_text(other)} cores during the rounds kept")
     finish("fidelity", {"benchmark": "fidelity", "micro_batches": M, "link_latency_s": link.latency_s, "cores": share,
                         "cores_3_devices": share3, "rounds": args.rounds, "load_average": [min(loads), max(loads)],
+                        "other_processes_cores": other,
                         "rows": rows, "worst_error": worst, "within_15_percent": worst <= 0.15,
                         "worst_error_core_per_device": worst_own, "within_5_percent_core_per_device": worst_own <= 0.05,
                         "machine": machine()})
+
+
+def _cores_text(other) -> str:
+    known = [c for c in other if c is not None]
+    return f"{min(known):.2f}-{max(known):.2f}" if known else "(unknown: not Linux)"
 
 
 def _first_steps(batch, L: int):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ class Position:
 
     def at(self, sequence: int = 0, time: int = 0) -> "Position":
         """The same step, for a slice starting at batch column `sequence` and time step `time`."""
-        return replace(self, sequence=sequence, time=time)
+        return Position(self.seed, self.step, sequence, time)    # (dataclasses.replace is 3x slower: hot path)
 
 
 _where: contextvars.ContextVar[Position | None] = contextvars.ContextVar("mpedu_dropout_position", default=None)

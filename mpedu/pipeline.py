@@ -11,7 +11,7 @@ import torch
 from . import capacity, dropout, footprint, schedules, streams
 from .footprint import Footprint, recomputes
 from .clock import Clock
-from .devices import Device, Worker, get_devices, stop_workers, wait_uninterrupted
+from .devices import Device, Worker, get_devices, stop_workers, usable_cores, wait_uninterrupted
 from .link import Link
 from .mailbox import Aborted, Mailbox
 from .placement import Placement
@@ -118,6 +118,8 @@ class Pipeline:
             stop_workers(self._workers)
             raise
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
+        # virtual devices with a core each may poll for a hand-off (Mailbox): no one else needs the core
+        self._core_each = all(d.virtual for d in self.devices) and len(self.devices) <= len(usable_cores())
         self._carry_shape = None
         # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.dropout.
         # Each train_step uses dropout_step, then counts it up; train() sets both from its seed and
@@ -140,7 +142,8 @@ class Pipeline:
         The loss is the mean NLL per real token of the whole batch: each micro-batch
         adds nll_sum / batch.tokens, so the micro-batch losses add up exactly.
         """
-        self.model.train()
+        if not all(module.training for module in self.model.modules()):   # (train() itself: 20 us a step)
+            self.model.train()
         return self._step(batch, self.schedule.actions, train=True)
 
     def eval_step(self, batch) -> StepResult:
@@ -230,7 +233,7 @@ class Pipeline:
         key = dropout.Position(self.dropout_seed, self.dropout_step)
         positions = [[key.at(i * plan.micro_batch, lo) for lo, _ in plan.chunk_bounds]
                      for i in range(self.micro_batches)] if train else None
-        mailbox = Mailbox(self.link)
+        mailbox = Mailbox(self.link, spin=self._core_each)
         timeline = Timeline([d.name for d in self.devices])
         t0 = time.perf_counter()
         callers = streams.caller_streams(self.devices)

@@ -39,8 +39,9 @@ def test_a_tensor_sent_before_its_receive_waits_in_the_mailbox():
     assert mailbox.get(("act", 1, 0, 0)) == "early"
 
 
-def test_abort_wakes_a_waiting_receive_and_refuses_later_ones():
-    mailbox, raised = Mailbox(), []
+@pytest.mark.parametrize("spin", [False, True])
+def test_abort_wakes_a_waiting_receive_and_refuses_later_ones(spin):
+    mailbox, raised = Mailbox(spin=spin), []
 
     def receiver():
         try:
@@ -57,3 +58,17 @@ def test_abort_wakes_a_waiting_receive_and_refuses_later_ones():
     assert raised == [True] and not thread.is_alive()
     with pytest.raises(Aborted):
         mailbox.get("after the abort")
+
+
+def test_a_polling_receive_parks_after_its_window_and_a_send_still_wakes_it():
+    mailbox, got = Mailbox(spin=True), []
+    thread = threading.Thread(target=lambda: got.append(mailbox.get(("act", 1, 0, 0))))
+    thread.start()
+    while not mailbox._waiting:          # polled for SPIN_RECEIVE_S, found nothing, parked
+        time.sleep(0.001)
+    mailbox.put(("act", 1, 0, 0), "late")
+    thread.join(timeout=10)
+    assert got == ["late"] and not thread.is_alive()
+    # a tensor already there is taken at once, without polling or parking
+    mailbox.put(("grad", 0, 1, 0), "early")
+    assert mailbox.get(("grad", 0, 1, 0)) == "early" and not mailbox._waiting
