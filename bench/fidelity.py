@@ -96,7 +96,8 @@ def main(argv=None):
     # of a core meanwhile (bench/quiet.py): the prediction is for cores this benchmark has to itself.
     profiles, measured = [first], {case[0]: [] for case in cases}
     loads, cores, cores3 = [], [], []
-    lists = [loads, cores, cores3, profiles] + list(measured.values())
+    faults = {case[0]: [] for case in cases}         # minor page faults per step (fresh memory the kernel zeroes)
+    lists = [loads, cores, cores3, profiles] + list(measured.values()) + list(faults.values())
 
     def one_round(r):
         loads.append(os.getloadavg()[0])
@@ -105,7 +106,9 @@ def main(argv=None):
         profiles.append(_profiles(model, batch, warmup=1, repeats=1))
         for name, *_, which in cases:
             model.zero_grad()
+            before = _minor_faults()
             measured[name].append(pipes[name].train_step(data[which]).timeline)
+            faults[name].append(_minor_faults() - before)
         return lambda: [values.pop() for values in lists]
 
     other = quiet_rounds(one_round, args.rounds, retries=args.retries)
@@ -127,7 +130,8 @@ def main(argv=None):
                      "recompute": options.get("recompute"),
                      "measured_ms": tl.makespan * 1e3, "predicted_ms": predicted.makespan * 1e3,
                      "error": predicted.makespan / tl.makespan - 1, "busy_error": busy_p / busy_m - 1,
-                     "bubble_measured": tl.bubble_fraction, "bubble_predicted": predicted.bubble_fraction})
+                     "bubble_measured": tl.bubble_fraction, "bubble_predicted": predicted.bubble_fraction,
+                     "page_faults_per_step": statistics.median(faults[name])})
         pipe.close()
     print(f"model: embed {CONFIG.embed_size}, {CONFIG.num_layers} LSTM layers of {CONFIG.hidden_size}, vocab {VOCAB}; "
           f"batch T={T} B={B}, m={M}; bucket T={BUCKET}; 2 virtual devices (one core each) and 3 (sharing "
@@ -138,15 +142,16 @@ def main(argv=None):
                           else f"{link.bandwidth_Bps / 1e9:.2f} GB/s"))
     print(f"the virtual devices ran {share:.2f} (2 devices) and {share3:.2f} (3 devices) cores' worth of work at "
           f"once (measure_cores, median of {args.rounds}: {', '.join(f'{c:.2f}' for c in cores)})")
-    print(f"{'case':<40}{'measured ms':>12}{'predicted ms':>13}{'error':>8}{'busy err':>9}{'bubble m/p':>13}")
+    print(f"{'case':<40}{'measured ms':>12}{'predicted ms':>13}{'error':>8}{'busy err':>9}{'bubble m/p':>13}"
+          f"{'faults':>8}")
     for r in rows:
         print(f"{r['case']:<40}{r['measured_ms']:>12.1f}{r['predicted_ms']:>13.1f}"
               f"{r['error']:>+8.1%}{r['busy_error']:>+9.1%}   "
-              f"{r['bubble_measured']:>4.0%} / {r['bubble_predicted']:.0%}")
+              f"{r['bubble_measured']:>4.0%} / {r['bubble_predicted']:.0%}{r['page_faults_per_step']:>8.0f}")
     for pname, placement in placements.items():
         print(f"  {pname}: {placement}")
     print("busy err: the same comparison for compute time summed over the devices (the cost model without the "
-          "schedule); bubble m/p: measured / predicted")
+          "schedule); bubble m/p: measured / predicted; faults: minor page faults per step (median)")
     worst = max(abs(r["error"]) for r in rows)
     own = [abs(r["error"]) for r in rows if r["core_per_device"]]
     worst_own = max(own) if own else float("nan")
@@ -163,6 +168,15 @@ def main(argv=None):
                         "rows": rows, "worst_error": worst, "within_15_percent": worst <= 0.15,
                         "worst_error_core_per_device": worst_own, "within_5_percent_core_per_device": worst_own <= 0.05,
                         "machine": machine()})
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (0 where the platform does not count them)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _cores_text(other) -> str:
