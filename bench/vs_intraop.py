@@ -13,8 +13,10 @@ dropout off on both sides so the work is the same) is trained four ways:
 Each allocator setting runs in fresh processes: `default` (glibc as shipped) and `tuned`
 (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 in the environment). The plain runs
 never import mpedu, so mpedu's own malloc settings (mpedu/allocator.py) cannot help them;
-mpedu's runs get them under both. A round runs the plain process and the mpedu process one
-after the other (the order alternates); ratios are medians over rounds of same-round pairs.
+mpedu's runs get them under both. The placements are balanced once, from one profile; a first
+round of every two-device run picks the fastest; then each round runs the plain process and the
+mpedu process one after the other (the order alternates, and so does the order of runs inside
+each); ratios are medians over those rounds of same-round pairs, never from the picking round.
 JSON: per setting `pipeline_vs_2core_limit` (best mpedu2 / plain2) and `one_device_vs_plain`
 (mpedu1 / plain1), tokens/s, minor page faults per step.
 """
@@ -47,9 +49,11 @@ def batch_tensors():
     return inputs, targets
 
 
-def timed(step, steps: int) -> dict:
-    """Median seconds of `steps` steps after one warm-up, and minor faults per step (the whole process)."""
-    step()
+def timed(step, steps: int, warmup: int = 3) -> dict:
+    """Median seconds of `steps` steps after `warmup` (kept memory grows to its peak over the first two or three
+    steps), and minor page faults per step (the whole process)."""
+    for _ in range(warmup):
+        step()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     times = []
     for _ in range(steps):
@@ -60,7 +64,7 @@ def timed(step, steps: int) -> dict:
     return {"tokens_per_s": T * B / statistics.median(times), "faults_per_step": faults}
 
 
-def run_plain(steps: int) -> dict:
+def run_plain(steps: int, order: str) -> dict:
     import torch
     from torch import nn
     torch.manual_seed(0)
@@ -75,47 +79,56 @@ def run_plain(steps: int) -> dict:
         loss.backward()
 
     out = {}
-    for threads in (1, 2):
+    for threads in ((1, 2) if order == "forward" else (2, 1)):
         torch.set_num_threads(threads)
         out[f"plain{threads}"] = timed(step, steps)
     return out
 
 
-def run_mpedu(steps: int) -> dict:
+def mpedu_model():
     import torch
-    from mpedu import allocator
-    from mpedu.balance import balance, to_placement
     from mpedu.bucketing import Batch
     from mpedu.model import LSTMLM
-    from mpedu.pipeline import Pipeline
-    from mpedu.profile import profile
     torch.manual_seed(0)
-    model = LSTMLM.from_config("mxnet8", VOCAB, dropout=0.0)
     inputs, targets = batch_tensors()
-    batch = Batch(inputs, targets, targets != 0, T, False)
-    out = {"allocator": allocator.state()}
+    return LSTMLM.from_config("mxnet8", VOCAB, dropout=0.0), Batch(inputs, targets, targets != 0, T, False)
 
-    def measure(name, placement, schedule, m, chunks=1):
-        with Pipeline(model, placement, schedule, m, chunks) as pipe:
-            out[name] = timed(lambda: (model.zero_grad(), pipe.train_step(batch)), steps)
-            out[name]["placement"] = str(pipe.placement)
 
-    measure("mpedu1", ",".join(model.layer_names) + ":vgpu0", "gpipe", 1)
-    per_layer = {}
+def run_candidates(steps: int) -> dict:
+    """The two-device runs to try, {name: (placement, schedule, m, chunks)}, each time-balanced from a profile
+    made once here, so that every round runs the very same placements."""
+    from mpedu.balance import balance, to_placement
+    from mpedu.profile import profile
+    model, batch = mpedu_model()
+    per_layer, out = {}, {}
     for schedule, m, chunks, stages in PIPELINES:
         if m not in per_layer:
             costs = profile(model, batch, "vgpu:0", micro_batches=m, repeats=3)
             per_layer[m] = [f + b for f, b in zip(costs.forward, costs.backward)]
         devices = [f"vgpu:{k % 2}" for k in range(stages)]
         counts = balance(per_layer[m], stages, names=model.layer_names)
-        shifts = (0, -1, 1) if schedule == "1f1b" else (0,)
-        for shift in shifts:
+        for shift in ((0, -1, 1) if schedule == "1f1b" else (0,)):
             moved = [counts[0] + shift, counts[1] - shift] if shift else counts
             if min(moved) < 1:
                 continue
             name = f"mpedu2 {schedule} m={m}" + (f" chunks={chunks}" if chunks > 1 else "") + (
                 f", cut {shift:+d}" if shift else "")
-            measure(name, to_placement(model, moved, devices), schedule, m, chunks)
+            out[name] = (str(to_placement(model, moved, devices)), schedule, m, chunks)
+    return out
+
+
+def run_mpedu(steps: int, order: str, runs: dict) -> dict:
+    """mpedu on one virtual device, then each of `runs` (name: placement, schedule, m, chunks) on two."""
+    from mpedu import allocator
+    from mpedu.pipeline import Pipeline
+    model, batch = mpedu_model()
+    runs = {"mpedu1": (",".join(model.layer_names) + ":vgpu0", "gpipe", 1, 1), **runs}
+    out = {"allocator": allocator.state()}
+    for name in (list(runs) if order == "forward" else list(runs)[::-1]):
+        placement, schedule, m, chunks = runs[name]
+        with Pipeline(model, placement, schedule, m, chunks) as pipe:
+            out[name] = timed(lambda: (model.zero_grad(), pipe.train_step(batch)), steps)
+    out["allocator"] = allocator.state()          # after the workers started: names any it could not reach
     return out
 
 
@@ -147,61 +160,80 @@ def run_alloc(steps: int) -> dict:
     return out
 
 
-def child(kind: str, setting: str, steps: int, allocator: str = "keep") -> dict:
+def child(kind: str, setting: str, steps: int, allocator: str = "keep", order: str = "forward",
+          runs: dict | None = None) -> dict:
+    """Run one part in a fresh process under a malloc setting; its printed JSON."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env["MPEDU_ALLOCATOR"] = allocator
     if setting == "tuned":
         env.update(TUNED)
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    done = subprocess.run([sys.executable, __file__, "--child", kind, "--steps", str(steps)], env=env,
-                          capture_output=True, text=True, check=True)
+    command = [sys.executable, __file__, "--child", kind, "--steps", str(steps), "--order", order,
+               "--runs", json.dumps(runs or {})]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {kind} run ({setting} malloc) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
+    """Pick the fastest two-device run in a first round of all of them, then time plain1, plain2, mpedu1 and
+    that one for `rounds` more rounds, the plain and the mpedu process in turn (and each one's runs in
+    alternating order): the ratios come from these rounds only, never from the round that picked the winner."""
+    picking = child("mpedu", setting, steps, runs=runs)
+    best = max(runs, key=lambda n: picking[n]["tokens_per_s"])
+    measured = []
+    for r in range(rounds):
+        order = "forward" if r % 2 == 0 else "backward"
+        row = {}
+        for kind in (("plain", "mpedu") if r % 2 == 0 else ("mpedu", "plain")):
+            row.update(child(kind, setting, steps, order=order, runs={best: runs[best]} if kind == "mpedu" else None))
+        measured.append(row)
+    names = ["plain1", "plain2", "mpedu1", best]
+    tps = {n: statistics.median(r[n]["tokens_per_s"] for r in measured) for n in names}
+    faults = {n: statistics.median(r[n]["faults_per_step"] for r in measured) for n in names}
+    ratio = lambda a, b: statistics.median(r[a]["tokens_per_s"] / r[b]["tokens_per_s"] for r in measured)  # noqa: E731
+    out = {"allocator_in_mpedu": measured[0]["allocator"], "tokens_per_s": tps, "faults_per_step": faults,
+           "best_pipeline": best, "best_placement": runs[best][0],
+           "picking_round_tokens_per_s": {n: picking[n]["tokens_per_s"] for n in runs},
+           "one_device_vs_plain": ratio("mpedu1", "plain1"), "pipeline_vs_2core_limit": ratio(best, "plain2"),
+           "two_core_limit_vs_plain": ratio("plain2", "plain1"), "pipeline_vs_one_device": ratio(best, "mpedu1")}
+    print(f"\n{setting} malloc (mpedu: {out['allocator_in_mpedu']})")
+    print("  picking round, two virtual devices (tokens/s): " + "; ".join(
+        f"{n[7:]} {picking[n]['tokens_per_s']:.0f}" for n in runs))
+    print(f"  {'run (' + str(rounds) + ' rounds in turn)':40s} {'tokens/s':>9s} {'faults/step':>12s}")
+    for n in names:
+        print(f"  {n:40s} {tps[n]:9.0f} {faults[n]:12.0f}")
+    print(f"  one device vs plain {out['one_device_vs_plain']:.3f}; best pipeline vs 2-core limit "
+          f"{out['pipeline_vs_2core_limit']:.3f}; 2 threads vs 1: {out['two_core_limit_vs_plain']:.2f}x; "
+          f"pipeline vs one device {out['pipeline_vs_one_device']:.2f}x")
+    return out
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--child", choices=("plain", "mpedu", "alloc"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("plain", "mpedu", "candidates", "alloc"), help=argparse.SUPPRESS)
+    parser.add_argument("--order", default="forward", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps({"plain": run_plain, "mpedu": run_mpedu, "alloc": run_alloc}[args.child](args.steps)))
+        parts = {"plain": lambda: run_plain(args.steps, args.order), "candidates": lambda: run_candidates(args.steps),
+                 "mpedu": lambda: run_mpedu(args.steps, args.order, json.loads(args.runs)),
+                 "alloc": lambda: run_alloc(args.steps)}
+        print(json.dumps(parts[args.child]()))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import finish, machine
 
     result = {"benchmark": "vs_intraop", "machine": machine(), "model": "mxnet8 (dropout 0)", "T": T, "B": B,
               "rounds": args.rounds, "steps": args.steps, "load_average": list(os.getloadavg()[:2])}
+    runs = child("candidates", "default", args.steps)
+    result["candidates"] = runs
     for setting in SETTINGS:
-        rounds = []
-        for r in range(args.rounds):
-            kinds = ("plain", "mpedu") if r % 2 == 0 else ("mpedu", "plain")
-            row = {}
-            for kind in kinds:
-                row.update(child(kind, setting, args.steps))
-            rounds.append(row)
-        names = [k for k in rounds[0] if k.startswith(("plain", "mpedu"))]
-        tps = {n: statistics.median(r[n]["tokens_per_s"] for r in rounds) for n in names}
-        faults = {n: statistics.median(r[n]["faults_per_step"] for r in rounds) for n in names}
-        pipes = [n for n in names if n.startswith("mpedu2")]
-        best = max(pipes, key=tps.get)
-        ratio = lambda a, b: statistics.median(r[a]["tokens_per_s"] / r[b]["tokens_per_s"] for r in rounds)  # noqa: E731
-        result[setting] = {
-            "allocator_in_mpedu": rounds[0]["allocator"], "tokens_per_s": tps, "faults_per_step": faults,
-            "best_pipeline": best, "placements": {n: rounds[0][n]["placement"] for n in pipes},
-            "one_device_vs_plain": ratio("mpedu1", "plain1"),
-            "pipeline_vs_2core_limit": ratio(best, "plain2"),
-            "two_core_limit_vs_plain": ratio("plain2", "plain1"),
-            "pipeline_vs_one_device": ratio(best, "mpedu1"),
-        }
-        print(f"\n{setting} malloc (mpedu: {rounds[0]['allocator']})")
-        print(f"  {'run':26s} {'tokens/s':>9s} {'faults/step':>12s}")
-        for n in names:
-            print(f"  {n:26s} {tps[n]:9.0f} {faults[n]:12.0f}")
-        s = result[setting]
-        print(f"  one device vs plain {s['one_device_vs_plain']:.3f}; best pipeline ({best}) vs 2-core limit "
-              f"{s['pipeline_vs_2core_limit']:.3f}; 2 threads vs 1: {s['two_core_limit_vs_plain']:.2f}x")
+        result[setting] = compare(setting, runs, args.rounds, args.steps)
     # What keeping freed memory costs or saves when several workers allocate at once (default malloc env)
     result["allocating_at_once"] = {}
     print("\nworkers allocating at once (s per round: a 20 MB tensor and 200 of 40 kB each)")
@@ -210,6 +242,7 @@ def main(argv=None):
         per = {k: statistics.median(r[k]["s_per_round"] for r in rows) for k in rows[0] if k != "allocator"}
         result["allocating_at_once"][choice] = per
         print(f"  MPEDU_ALLOCATOR={choice:6s} " + "  ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in per.items()))
+    result["load_average_after"] = list(os.getloadavg()[:2])
     result["targets_met"] = all(result[s]["one_device_vs_plain"] >= 0.97 and
                                 result[s]["pipeline_vs_2core_limit"] >= 0.95 for s in SETTINGS)
     finish("vs_intraop", result)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocator import keep_freed_memory
+from .allocator import check_worker_arena
 
 
 @dataclass(frozen=True)
@@ -146,12 +146,14 @@ def format_size(nbytes: float) -> str:
 def start_device(device: Device):
     """Prepare the calling thread to run `device`'s work; return its CUDA stream (None off a GPU).
 
-    A virtual device runs torch single-threaded (one core). A GPU's thread makes the GPU its
+    A virtual device runs torch single-threaded (one core), and checks that the memory mpedu keeps
+    (mpedu.allocator) reaches its thread. A GPU's thread makes the GPU its
     current device and issues work on a stream of its own from PyTorch's pool; such streams do
     not wait for the default stream, so the Pipeline orders them against it at every step.
     """
     if device.virtual:
         torch.set_num_threads(1)
+        check_worker_arena(device.name)
     if device.is_cuda:
         torch.cuda.set_device(device.torch_device)
         return torch.cuda.Stream(device.torch_device)
@@ -170,7 +172,6 @@ class Worker:
         (None off a GPU); the default is `start_device`. If it raises (a GPU in exclusive-process
         mode that another process holds, no memory left for a CUDA context), the constructor raises
         a RuntimeError naming the device, instead of waiting for a thread that will never be ready."""
-        keep_freed_memory()    # before the thread's first allocation gives it an arena of its own
         self.device = device
         self.stream = None
         self._start = start or start_device

@@ -40,7 +40,8 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     Device names come from the placement, else `devices`, else gpu:0 … gpu:p-1.
     recompute: as for Pipeline (None, "all", "all-but-last", {stage: mode}; a Pipeline's own by
     default). A recomputed micro-batch's backward first runs the forward again: its B costs B + F,
-    drawn as an "R" event (the forward's share) followed by the B.
+    drawn as an "R" event (the forward's share) followed by the B; its first forward, which keeps
+    nothing for autograd, costs the profiled forward without autograd (StageCost.forward_nograd).
     Events carry the activation bytes they add or free (Event.memory, from the costs' activation
     bytes, as mpedu.footprint counts them): the predicted timeline's peak_memory is the model's.
     """
@@ -125,11 +126,19 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
         return (peer, int(stage_costs[min(a.stage, peer)].output_bytes / chunks)) if 0 <= peer < n else None
 
     m = schedule.micro_batches
-    rerun = (lambda a: a.kind == "B" and recomputes(modes[a.stage], a.mb, m)) if modes and any(modes) else (
+    recomputed = (lambda a: recomputes(modes[a.stage], a.mb, m)) if modes and any(modes) else (
         lambda a: False)                                            # noqa: E731
 
+    def rerun(a):
+        return a.kind == "B" and recomputed(a)
+
+    # a recomputed micro-batch's F records nothing for autograd (torch.no_grad): its own, cheaper cost
+    nograd = [c.forward_nograd / chunks for c in stage_costs]
+
     def cost(d, a):
-        # a recomputed micro-batch's B runs its forward again first
+        if a.kind == "F" and recomputed(a):
+            return nograd[a.stage] / speed[d]
+        # a recomputed micro-batch's B runs its forward again first (with autograd: the F it skipped)
         own = per_kind[a.kind][a.stage] + (per_kind["F"][a.stage] if rerun(a) else 0.0)
         return own / speed[d]
 

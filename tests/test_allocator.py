@@ -1,5 +1,6 @@
 """mpedu keeps freed memory for the next step (glibc), or leaves malloc alone when asked or elsewhere."""
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -8,7 +9,7 @@ import pytest
 
 from mpedu import allocator
 
-GLIBC = os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc") if hasattr(os, "confstr") else False
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def run(code: str, **env) -> str:
@@ -47,18 +48,43 @@ def test_keeping_is_idempotent_and_says_what_it_did():
 def test_a_worker_reuses_freed_memory_instead_of_faulting_it_in_again():
     kept = float(run(FAULTS_IN_A_WORKER))
     system = float(run(FAULTS_IN_A_WORKER, MPEDU_ALLOCATOR="system"))
-    pages = 100e6 / os.sysconf("SC_PAGE_SIZE")
-    assert system > 0.5 * pages, f"system malloc should fault a freed 100 MB block in again, got {system} faults"
-    assert kept < 0.01 * pages, f"kept memory should be reused without faults, got {kept} per round"
+    # (relative: with transparent huge pages always on, a fresh 100 MB block faults ~50 times, not ~24,000)
+    assert system > 0, "system malloc should map a freed 100 MB block afresh, faulting it in again"
+    assert kept < 0.05 * system, f"kept memory should be reused: {kept} faults per round vs {system} without"
 
 
-def test_system_leaves_malloc_alone_and_a_typo_is_named():
+def test_system_leaves_malloc_alone_and_a_typo_is_named_without_breaking_the_import():
     assert run("import mpedu.allocator as a; print(a.state())", MPEDU_ALLOCATOR="system") == \
         "system malloc (MPEDU_ALLOCATOR=system)"
-    done = subprocess.run([sys.executable, "-c", "import mpedu"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "MPEDU_ALLOCATOR": "jemalloc"})
-    assert done.returncode != 0
-    assert "MPEDU_ALLOCATOR='jemalloc'" in done.stderr and "'system'" in done.stderr
+    done = subprocess.run([sys.executable, "-c", "import mpedu; print(mpedu.allocator.state())"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "MPEDU_ALLOCATOR": "jemalloc"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "system malloc (MPEDU_ALLOCATOR='jemalloc' is not a choice)"
+    assert "MPEDU_ALLOCATOR='jemalloc' is not a choice" in done.stderr and "'system'" in done.stderr
+
+
+# A thread that allocated before mpedu was imported made an arena of its own; glibc hands it on to a later thread.
+WORKERS_AFTER_AN_ALLOCATING_THREAD = """
+    import ctypes, threading, time
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    ready = threading.Event()
+    threading.Thread(target=lambda: (libc.malloc(100), ready.set(), time.sleep(60)), daemon=True).start()
+    ready.wait()
+    import mpedu
+    from mpedu.devices import Worker, get_device
+    workers = [Worker(get_device(f"vgpu:{k}")) for k in range(2)]
+    print(mpedu.allocator.in_main_arena(), mpedu.allocator.state())
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="arenas are glibc's")
+def test_a_worker_on_another_threads_arena_is_named_and_the_variable_avoids_it():
+    named = run(WORKERS_AFTER_AN_ALLOCATING_THREAD)
+    assert named.startswith("True glibc: freed memory kept (one arena, no mmap, no trim); worker(s) vgpu:")
+    assert "took another thread's arena" in named and "MALLOC_ARENA_MAX=1" in named
+    assert run(WORKERS_AFTER_AN_ALLOCATING_THREAD, MALLOC_ARENA_MAX="1") == \
+        "True glibc: freed memory kept (one arena, no mmap, no trim)"
 
 
 def test_glibc_is_found_only_where_it_is(monkeypatch):

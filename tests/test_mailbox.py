@@ -5,9 +5,18 @@ import time
 import pytest
 
 from mpedu.link import Link
+from mpedu import mailbox as mailbox_module
 from mpedu.mailbox import Aborted, Mailbox
 
 SLACK = 0.15          # seconds a busy machine may add to a sleep-based delay (never subtracted)
+
+
+def until(condition, seconds: float = 10.0) -> None:
+    """Wait for `condition()`; fail (not hang) if it does not come."""
+    deadline = time.perf_counter() + seconds
+    while not condition():
+        assert time.perf_counter() < deadline, "waited 10 s in vain"
+        time.sleep(0.001)
 
 
 def test_the_mailbox_delivers_after_the_link_time_without_blocking_the_sender():
@@ -51,8 +60,7 @@ def test_abort_wakes_a_waiting_receive_and_refuses_later_ones(spin):
 
     thread = threading.Thread(target=receiver)
     thread.start()
-    while not mailbox._waiting:          # until the receive is parked on its lock
-        time.sleep(0.001)
+    until(lambda: mailbox._waiting)      # the receive is parked on its lock
     mailbox.abort()
     thread.join(timeout=10)
     assert raised == [True] and not thread.is_alive()
@@ -64,11 +72,34 @@ def test_a_polling_receive_parks_after_its_window_and_a_send_still_wakes_it():
     mailbox, got = Mailbox(spin=True), []
     thread = threading.Thread(target=lambda: got.append(mailbox.get(("act", 1, 0, 0))))
     thread.start()
-    while not mailbox._waiting:          # polled for SPIN_RECEIVE_S, found nothing, parked
-        time.sleep(0.001)
+    until(lambda: mailbox._waiting)      # polled for SPIN_RECEIVE_S, found nothing, parked
     mailbox.put(("act", 1, 0, 0), "late")
     thread.join(timeout=10)
     assert got == ["late"] and not thread.is_alive()
     # a tensor already there is taken at once, without polling or parking
     mailbox.put(("grad", 0, 1, 0), "early")
     assert mailbox.get(("grad", 0, 1, 0)) == "early" and not mailbox._waiting
+
+
+@pytest.mark.parametrize("ending", ["put", "abort"])
+def test_a_send_or_an_abort_during_the_poll_ends_it_without_parking(monkeypatch, ending):
+    monkeypatch.setattr(mailbox_module, "SPIN_RECEIVE_S", 30.0)     # a window long enough to act in
+    mailbox, got = Mailbox(spin=True), []
+
+    def receiver():
+        try:
+            got.append(mailbox.get("x"))
+        except Aborted:
+            got.append("aborted")
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    time.sleep(0.05)                                                   # the receive is polling now
+    if ending == "put":
+        mailbox.put("x", "tensor")
+    else:
+        mailbox.abort()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "the poll did not notice"
+    assert got == (["tensor"] if ending == "put" else ["aborted"])
+    assert not mailbox._waiting                                        # it never parked

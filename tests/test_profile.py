@@ -84,6 +84,16 @@ def test_stage_costs_add_up_layers_and_round_trip():
 def test_stage_cost_defaults_are_the_textbook_unit():
     unit = StageCost(1.5)
     assert (unit.backward, unit.backward_input, unit.backward_weight) == (3.0, 1.5, 1.5)
+    assert unit.forward_nograd == 1.5           # without a measurement, the forward without autograd is F
+
+
+def test_profile_times_the_forward_without_autograd_too():
+    costs = profile(tiny_model(num_layers=2), make_batch(), warmup=0, repeats=1)
+    assert len(costs.forward_nograd) == len(costs.names) and all(t > 0 for t in costs.forward_nograd)
+    old = costs.to_dict()
+    del old["forward_nograd"]                   # a profile saved before it was measured loads as F
+    assert Costs.from_dict(old).forward_nograd == costs.forward
+    assert costs.stages([costs.names])[0].forward_nograd == pytest.approx(sum(costs.forward_nograd))
 
 
 def test_profiling_leaves_the_random_stream_alone():

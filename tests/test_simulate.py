@@ -43,6 +43,19 @@ def test_zero_bubble_h1_idles_a_third_of_1f1b(p, m):
     assert max(peak_in_flight(zb).values()) == min(p, m)   # W frees a micro-batch later than B would
 
 
+@pytest.mark.parametrize("mode,recomputed", [("all", 8), ("all-but-last", 7)])
+def test_a_recomputed_forward_costs_the_forward_without_autograd(mode, recomputed):
+    # F = 1 with autograd, 0.25 without: the first forward of a recomputed micro-batch keeps nothing (0.25),
+    # its R before the backward keeps everything (1); the last micro-batch under all-but-last is not recomputed
+    stages = [StageCost(1.0, forward_nograd=0.25)] * 2
+    tl = simulate("gpipe", stages, micro_batches=8, link=NO_LINK, recompute=mode)
+    forwards = sorted(e.duration for e in tl.compute("gpu:0") if e.kind == "F")
+    assert forwards == pytest.approx([0.25] * recomputed + [1.0] * (8 - recomputed))
+    assert all(e.duration == pytest.approx(1.0) for e in tl.events if e.kind == "R")
+    kept = simulate("gpipe", stages, micro_batches=8, link=NO_LINK)
+    assert all(e.duration == pytest.approx(1.0) for e in kept.compute() if e.kind == "F")
+
+
 def test_the_slowest_stage_sets_the_pace():
     # steady state: one micro-batch per (F + B) of the slowest stage; a 2x slower device is the same
     tl = simulate("gpipe", [1.0, 3.0], micro_batches=8, link=NO_LINK)
