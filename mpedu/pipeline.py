@@ -207,7 +207,7 @@ class Pipeline:
     def _step(self, batch, actions: list[list[Action]], train: bool) -> StepResult:
         if not self._finalizer.alive:
             raise RuntimeError("this Pipeline is closed; build a new one")
-        check_batch(batch, self.model.vocab_size)
+        tokens = check_batch(batch, self.model.vocab_size)
         plan = self._plan(batch)
         if train and self.memory_cap and not plan.memory_checked:
             # before the step: nothing has run yet
@@ -218,9 +218,6 @@ class Pipeline:
         micro = streams.host_micro_batches(batch, self.micro_batches, plan.chunk_bounds,
                                     pin_inputs=self.stages[0].device.is_cuda,
                                     pin_targets=self.stages[-1].device.is_cuda)
-        tokens = int(batch.tokens)
-        if tokens == 0:
-            raise ValueError("the batch has no real (non-padding) target tokens")
         # Stream mode carries each micro-batch's state into the next batch of the same width B, as
         # SingleDevice does: a shorter window (the last of a pass) keeps it too. Micro-batch i is
         # columns i*B/m .. of every batch, so its state belongs to the same sequences whatever T is.
@@ -228,18 +225,16 @@ class Pipeline:
         keep_state = carry and self._carry_shape is not None and self._carry_shape[1] == batch.inputs.shape[1]
         self._carry_shape = tuple(batch.inputs.shape) if carry else None
         for stage in self.stages:
-            stage.reset(keep_state=keep_state)
-        # each (micro-batch, chunk)'s dropout Position: its first column and time step in the batch
-        key = dropout.Position(self.dropout_seed, self.dropout_step)
-        positions = [[key.at(i * plan.micro_batch, lo) for lo, _ in plan.chunk_bounds]
-                     for i in range(self.micro_batches)] if train else None
+            stage.reset(keep_state=keep_state, carry=carry, chunks=len(plan.chunk_bounds))
+        # the step's dropout Position; each (micro-batch, chunk) draws at its first column and time step
+        key = dropout.Position(self.dropout_seed, self.dropout_step) if train else None
         mailbox = Mailbox(self.link, spin=self._core_each)
         timeline = Timeline([d.name for d in self.devices])
         t0 = time.perf_counter()
         callers = streams.caller_streams(self.devices)
         futures = [worker.submit(streams.after(callers.get(worker.device.name),
                                                self._device_job(d, row, micro, 1.0 / tokens, train, mailbox, timeline,
-                                                                t0, positions)))
+                                                                t0, key, plan)))
                    for d, (worker, row) in enumerate(zip(self._workers, actions))]
         try:
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -275,7 +270,7 @@ class Pipeline:
         return StepResult(loss=nll / tokens, nll_sum=nll, tokens=tokens, timeline=timeline)
 
     def _device_job(self, d: int, row: list[Action], micro, scale: float, train: bool,
-                    mailbox: Mailbox, timeline: Timeline, t0: float, positions=None):
+                    mailbox: Mailbox, timeline: Timeline, t0: float, key=None, plan=None):
         device = self.devices[d]
         here = device.torch_device
         stages, last = self.stages, len(self.stages) - 1
@@ -328,11 +323,12 @@ class Pipeline:
                             targets = None
                         elif targets.device != here:
                             targets = targets.to(here, non_blocking=True)
+                        # dropout draws at the slice's first batch column and time step
+                        where = key and key.at(a.mb * plan.micro_batch, plan.chunk_bounds[a.chunk][0])
+                        again = train and recomputes(self.recompute[a.stage], a.mb, self.micro_batches)
                         start = clock.mark()
-                        out = stage.forward(a.mb, a.chunk, x, targets, scale, train=train,
-                                            where=positions[a.mb][a.chunk] if positions else None,
-                                            recompute=train and recomputes(self.recompute[a.stage], a.mb,
-                                                                           self.micro_batches))
+                        out = stage.forward(a.mb, a.chunk, x, targets, scale, train=train, where=where,
+                                            recompute=again)
                         held = stage.saved_bytes(a.mb, a.chunk)
                         marks.append((a.kind, a.stage, a, start, clock.mark(), 0, "", held))
                         if a.stage < last:

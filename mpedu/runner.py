@@ -43,10 +43,11 @@ class Runner(Protocol):
     def close(self) -> None: ...
 
 
-def check_batch(batch, vocab_size: int) -> None:
-    """Refuse a batch the model cannot read, naming what is wrong, before torch fails deep inside.
+def check_batch(batch, vocab_size: int) -> int:
+    """Refuse a batch the model cannot read, naming what is wrong, before torch fails deep inside;
+    return its real (non-padding) target tokens.
 
-    Two min/max reductions per step: cheap next to the step itself.
+    Two min/max reductions and a sum per step: cheap next to the step itself.
     """
     inputs, targets, mask = (getattr(batch, k, None) for k in ("inputs", "targets", "mask"))
     if not all(torch.is_tensor(t) for t in (inputs, targets, mask)):
@@ -63,8 +64,10 @@ def check_batch(batch, vocab_size: int) -> None:
         bad = lo if lo < 0 else hi
         raise ValueError(f"the batch holds token id {bad}, but the model's vocabulary has ids 0..{vocab_size - 1}; "
                          "were the batches made with another vocabulary?")
-    if int(mask.sum()) == 0:
+    tokens = int(mask.sum())
+    if tokens == 0:
         raise ValueError("the batch has no real (non-padding) target tokens")
+    return tokens
 
 
 def fit_width(batch, micro_batches: int):

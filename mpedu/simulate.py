@@ -134,13 +134,18 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
 
     # a recomputed micro-batch's F records nothing for autograd (torch.no_grad): its own, cheaper cost
     nograd = [c.forward_nograd / chunks for c in stage_costs]
+    # B and W cost more when the unit's saved tensors have left the cache (profile: backward_cold)
+    colder = [max(1.0, c.backward_cold / c.backward) if c.backward > 0 else 1.0 for c in stage_costs]
+    cold = _cold_fractions(schedule, stage_costs, rerun) if any(x > 1.0 for x in colder) else {}
 
     def cost(d, a):
         if a.kind == "F" and recomputed(a):
             return nograd[a.stage] / speed[d]
+        own = per_kind[a.kind][a.stage]
+        if a in cold:
+            own *= 1.0 + (colder[a.stage] - 1.0) * cold[a]
         # a recomputed micro-batch's B runs its forward again first (with autograd: the F it skipped)
-        own = per_kind[a.kind][a.stage] + (per_kind["F"][a.stage] if rerun(a) else 0.0)
-        return own / speed[d]
+        return (own + (per_kind["F"][a.stage] if rerun(a) else 0.0)) / speed[d]
 
     arrivals: dict = {}                                            # sending action -> when its tensor lands
     if link.bandwidth_Bps == inf and (cores is None or cores >= schedule.num_devices):
@@ -189,6 +194,32 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
             events.append(Event(names[d], "send", a.stage, a.mb, end, arrivals.get(a, end + link.time(nbytes)),
                                 a.chunk, nbytes, names[sd[peer]]))
     return timeline
+
+
+def _cold_fractions(schedule: Schedule, stage_costs: list[StageCost], rerun) -> dict:
+    """How far each backward action's saved tensors are from the cache: {B or W action: 0 (cached) .. 1}.
+
+    On device d, between a unit's F (or its R, or for W its B) and its backward, the device's other
+    actions run through their own units' activations. The fraction is (those bytes + the unit's own) /
+    the cache's share of one device (the last-level cache, StageCost.cache_bytes, which every virtual
+    device of a CPU shares), at most 1: GPipe's backwards, after every micro-batch's forward, read from
+    memory; 1F1B's last stage runs each backward straight after its forward. 0 bytes of cache: {}."""
+    cache = min((c.cache_bytes for c in stage_costs), default=0) / max(1, schedule.num_devices)
+    if cache <= 0:
+        return {}
+    chunks = schedule.chunks
+    unit = [c.activation_bytes / chunks for c in stage_costs]
+    out = {}
+    for row in schedule.actions:
+        touched, last = 0.0, {}               # bytes gone through so far; unit -> bytes when it was last touched
+        for a in row:
+            key = (a.stage, a.mb, a.chunk)
+            if a.kind in ("B", "W") and key in last:
+                between = 0.0 if a.kind == "B" and rerun(a) else touched - last[key]   # R runs right before
+                out[a] = min(1.0, (between + unit[a.stage]) / cache)
+            touched += unit[a.stage]
+            last[key] = touched
+    return out
 
 
 def _run_shared(schedule: Schedule, cost, link, cores: float, send=None) -> list[tuple[int, object, float, float]]:

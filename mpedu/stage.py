@@ -64,6 +64,7 @@ class Stage:
         self._param_storages = {p.untyped_storage().data_ptr() for p in self._all_params}
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.state: dict[int, dict] = {}        # micro-batch -> per-layer (h, c) after its latest chunk
+        self.carry, self.chunks = True, 1       # the step's: keep the final state for the next? time chunks
         self.state_grad: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self.nll: dict[tuple[int, int], torch.Tensor] = {}   # last stage: summed NLL per (mb, chunk)
 
@@ -76,8 +77,12 @@ class Stage:
         the pipeline was built counts as it is at the step)."""
         return [p for p in self._all_params if p.requires_grad]
 
-    def reset(self, keep_state: bool = False) -> None:
-        """Forget a step's saved tensors (and, unless carrying it, the recurrent state)."""
+    def reset(self, keep_state: bool = False, carry: bool = True, chunks: int = 1) -> None:
+        """Forget a step's saved tensors (and, unless carrying it, the recurrent state). For the step to
+        come: `chunks` time chunks; `carry`: its final state goes on to the next step (stream mode).
+        Without carry only a chunk's state for the next chunk is kept: a step of m micro-batches would
+        otherwise keep m x layers x (h, c) tensors only to free them at the next step."""
+        self.carry, self.chunks = carry, chunks
         self.saved.clear()
         self.state_grad.clear()
         self.nll.clear()
@@ -175,6 +180,7 @@ class Stage:
         """The layers on one (micro-batch, chunk). `before`: a recomputation, from the state the first
         run started from; it records nothing (the state and the loss are the first run's)."""
         previous = self.state.get(mb, {}) if before is None else before
+        keep = before is None and (self.carry or chunk < self.chunks - 1)    # a later chunk or step reads it
         state_in, state_out, new_state = [], [], {}
         for name, layer in zip(self.names, self.layers):
             state = previous.get(name)
@@ -186,9 +192,10 @@ class Stage:
                     state_in += list(state)
             x, state = layer(x, state)
             if state is not None:
-                new_state[name] = tuple(t.detach() for t in state)
+                if keep:
+                    new_state[name] = tuple(t.detach() for t in state)
                 state_out += list(state)
-        if before is None:
+        if keep:
             self.state[mb] = new_state
         if self.is_last:
             nll = nll_sum(x, targets)
