@@ -215,9 +215,9 @@ class Pipeline:
                                   self.recompute, self.memory_cap, (plan.T, plan.B))
             plan.memory_checked = True
         plan.steps += 1
-        micro = streams.host_micro_batches(batch, self.micro_batches, plan.chunk_bounds,
-                                    pin_inputs=self.stages[0].device.is_cuda,
-                                    pin_targets=self.stages[-1].device.is_cuda)
+        micro = streams.MicroBatches(batch, self.micro_batches, plan.chunk_bounds,
+                                     pin_inputs=self.stages[0].device.is_cuda,
+                                     pin_targets=self.stages[-1].device.is_cuda)
         # Stream mode carries each micro-batch's state into the next batch of the same width B, as
         # SingleDevice does: a shorter window (the last of a pass) keeps it too. Micro-batch i is
         # columns i*B/m .. of every batch, so its state belongs to the same sequences whatever T is.
@@ -313,15 +313,16 @@ class Pipeline:
                     if mailbox.aborted:
                         raise Aborted
                     stage = stages[a.stage]
-                    inputs, targets = micro[a.mb][a.chunk]          # (t, b) slices of the batch
                     if a.kind == "F":
-                        # (the device checks skip a torch call per action on virtual devices)
-                        # (pinned on the host when the device is a GPU: the copy does not block)
-                        x = (inputs if inputs.device == here else inputs.to(here, non_blocking=True)) \
-                            if a.stage == 0 else receive("act", a)
-                        if a.stage != last:
-                            targets = None
-                        elif targets.device != here:
+                        # (t, b) slices of the batch, pinned on the host when the device is a GPU (the copy
+                        # does not block); the device checks skip a torch call per action on virtual devices
+                        if a.stage == 0:
+                            x = micro.inputs(a.mb, a.chunk)
+                            x = x if x.device == here else x.to(here, non_blocking=True)
+                        else:
+                            x = receive("act", a)
+                        targets = micro.targets(a.mb, a.chunk) if a.stage == last else None
+                        if targets is not None and targets.device != here:
                             targets = targets.to(here, non_blocking=True)
                         # dropout draws at the slice's first batch column and time step
                         where = key and key.at(a.mb * plan.micro_batch, plan.chunk_bounds[a.chunk][0])

@@ -42,7 +42,6 @@ class StageCost:
     forward_nograd: float | None = None    # the forward without autograd (default: forward), what a
                                            # recomputing stage's first forward costs (it keeps nothing)
     backward_cold: float | None = None     # the fused backward once its saved tensors left the caches
-    cache_bytes: int = 0                   # the device's last-level cache (0: times do not depend on it)
 
     def __post_init__(self):
         if self.trainable_bytes is None:
@@ -84,10 +83,10 @@ class Costs:
     trainable_bytes: list[int] | None = None     # weights that get a gradient; None: all of param_bytes
     input_saved_bytes: list[int] | None = None   # bytes of its own input a layer saves; None: 0
     forward_nograd: list[float] | None = None    # forward under torch.no_grad (recomputation); None: forward
-    # The backward once the layer's saved tensors have left the caches (None: backward), and the
-    # device's last-level cache in bytes (0: unknown, times do not depend on it). `backward` is timed
-    # right after the forward, with everything still cached; in a pipeline other work often runs
-    # in between (GPipe: every micro-batch's forward), and the backward then reads from memory.
+    # The backward once the layer's saved tensors have left the caches (None: backward), timed after
+    # 2 x cache_bytes of other data went through them (0: not flushed, a GPU). `backward` is timed right
+    # after the forward, everything still cached; a pipeline's devices share the CPU's caches and memory
+    # bandwidth, and beside another busy core a backward runs nearer the cold time (mpedu.simulate).
     backward_cold: list[float] | None = None
     cache_bytes: int = 0
 
@@ -135,7 +134,7 @@ class Costs:
                 input_saved_bytes=self.input_saved_bytes[first],
                 trainable_bytes=sum(self.trainable_bytes[k] for k in ks),
                 forward_nograd=sum(self.forward_nograd[k] for k in ks),
-                backward_cold=sum(self.backward_cold[k] for k in ks), cache_bytes=self.cache_bytes))
+                backward_cold=sum(self.backward_cold[k] for k in ks)))
         return out
 
     def table(self) -> str:

@@ -4,26 +4,34 @@ from __future__ import annotations
 import torch
 
 
-def host_micro_batches(batch, m: int, chunk_bounds, pin_inputs: bool, pin_targets: bool):
-    """[micro-batch][chunk] -> (inputs, targets), each (t, b), views of the micro-batch's block.
+class MicroBatches:
+    """A step's micro-batches on the host: one (m, T, b) block per tensor, micro-batch i being columns
+    i*b .. (i+1)*b - 1 of the batch, and a (t, b) view of it cut only when an action asks for it.
 
     A block a GPU reads (the first stage's token ids, the last stage's targets) is copied once
     into page-locked memory: a copy from there does not block the worker, so it can queue
     work ahead of the GPU; from pageable memory every copy would wait for the GPU.
-    On the hot path of every step: one copy per tensor (T, B) -> (m, T, b), then one unbind per
-    time chunk (not m x chunks slices), and the padding mask is not cut (the loss skips id 0).
-    The caller has checked that m divides B.
+    On the hot path of every step: one copy per tensor, no mask (the loss skips id 0), and no view
+    made (or freed) by the caller's thread: each worker cuts the few it reads.
     """
-    T, B = batch.inputs.shape
 
-    def cut(x, pin):
-        blocks = x.reshape(T, m, B // m).transpose(0, 1).contiguous()        # (m, T, b)
-        if pin:
-            blocks = blocks.pin_memory()
-        return [blocks[:, lo:hi].unbind(0) for lo, hi in chunk_bounds]       # [chunk][micro-batch]
+    def __init__(self, batch, m: int, chunk_bounds, pin_inputs: bool, pin_targets: bool):
+        T, B = batch.inputs.shape        # the caller has checked that m divides B
 
-    inputs, targets = cut(batch.inputs, pin_inputs), cut(batch.targets, pin_targets)
-    return [[(inputs[c][i], targets[c][i]) for c in range(len(chunk_bounds))] for i in range(m)]
+        def block(x, pin):
+            x = x.reshape(T, m, B // m).transpose(0, 1)                      # (m, T, b), a view
+            return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x) if pin else x.contiguous()
+
+        self._inputs, self._targets = block(batch.inputs, pin_inputs), block(batch.targets, pin_targets)
+        self.chunk_bounds = chunk_bounds
+
+    def inputs(self, mb: int, chunk: int = 0) -> torch.Tensor:
+        lo, hi = self.chunk_bounds[chunk]
+        return self._inputs[mb, lo:hi]
+
+    def targets(self, mb: int, chunk: int = 0) -> torch.Tensor:
+        lo, hi = self.chunk_bounds[chunk]
+        return self._targets[mb, lo:hi]
 
 
 def caller_streams(devices) -> dict:

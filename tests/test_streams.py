@@ -4,7 +4,7 @@ import torch
 
 from conftest import make_batch
 from mpedu import streams
-from mpedu.streams import host_micro_batches
+from mpedu.streams import MicroBatches
 
 pytestmark = pytest.mark.cuda      # the pinned case runs where CUDA exists (see conftest)
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -13,14 +13,13 @@ NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA 
 @pytest.mark.parametrize("pin", [pytest.param(False, id="cpu-twin"), pytest.param(True, id="pinned", marks=NO_GPU)])
 def test_micro_batches_a_gpu_reads_are_pinned_once_per_step(pin):
     batch = make_batch(T=9, B=8)
-    micro = host_micro_batches(batch, 4, [(0, 4), (4, 9)], pin_inputs=pin, pin_targets=False)
-    parts = batch.split(4)
-    assert len(micro) == 4 and all(len(chunks) == 2 for chunks in micro)
-    for mb, chunks in zip(parts, micro):
+    micro = MicroBatches(batch, 4, [(0, 4), (4, 9)], pin_inputs=pin, pin_targets=False)
+    for i, mb in enumerate(batch.split(4)):
+        chunks = [(micro.inputs(i, c), micro.targets(i, c)) for c in range(2)]
         assert torch.equal(torch.cat([x for x, _ in chunks]), mb.inputs)
         assert torch.equal(torch.cat([y for _, y in chunks]), mb.targets)
-        # both chunks are views of one block per micro-batch (one pinned copy, not one per chunk)
-        assert chunks[0][0].untyped_storage().data_ptr() == chunks[1][0].untyped_storage().data_ptr()
+        # every slice is a view of one block per tensor (one pinned copy per step, not one per chunk)
+        assert chunks[0][0].untyped_storage().data_ptr() == micro.inputs(0).untyped_storage().data_ptr()
         assert all(x.is_contiguous() for x, _ in chunks)     # a non-contiguous copy would be staged
         if torch.cuda.is_available():
             assert chunks[0][0].is_pinned() == pin and not chunks[0][1].is_pinned()
