@@ -36,6 +36,10 @@ ensure_chromium() {
     fi
 }
 
+# One malloc arena for the whole process (mpedu/allocator.py): nbval's kernels, the browser tests' Jupyter
+# servers and the tests' subprocesses inherit it from here.
+export MALLOC_ARENA_MAX=1
+
 command="${1:-}"
 [ $# -gt 0 ] && shift
 case "$command" in
