@@ -14,7 +14,9 @@ Each virtual device is one worker thread; how many of them the CPU runs at full 
 (about 1.8 of 2 on an idle 2-core machine, nearer 1 when other work takes the cores) is measured
 alongside and given to the simulator as `cores`.
 Rounds interleave profiling, that measurement and every case, so load that drifts
-over minutes falls on all of them alike.
+over minutes falls on all of them alike; each round waits for a quiet moment and runs again if
+other processes took more than a tenth of a core meanwhile (bench/quiet.py). A recomputing stage's
+first forward is charged the profiled forward without autograd (Costs.forward_nograd).
 """
 from __future__ import annotations
 

@@ -2,13 +2,15 @@
 the fastest plan, and its top candidates run for real (targets on a quiet 2-core machine, 2 devices:
 Kendall tau >= 0.8, worst error <= 10%, planning under 1 s).
 
-    python bench/planner.py [--steps 5] [--top 5]
+    python bench/planner.py [--steps 9] [--top 5]
 
 One profile (a CostCurve: every micro-batch width the search tries, and the time-chunk lengths the
 wavefront schedule runs) serves both device counts. The cap is the geometric middle of the uncapped
 front's largest and smallest peaks, so the fastest plan does not fit. `seconds_to_plan` is the
 search alone (median of 3), the profile is timed apart. The top candidates run in turn, one step
-each per round, so drifting load falls on all of them alike; each device count's predictions use
+each per round (the order reversed every other round), so drifting load falls on all of them alike;
+each round waits for a quiet moment and runs again if other processes took more than a tenth of a
+core meanwhile (bench/quiet.py); each device count's predictions use
 the cores the virtual devices got at once (cores.measure_cores), as bench/fidelity.py does.
 On a shared machine the load drifts between the profile and the runs: after each device count's runs
 the layers are profiled again, and the measured plans predicted again from the median of the profiles
@@ -32,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, random_batch  # noqa: E402
+from quiet import quiet_rounds, wait_quiet  # noqa: E402
 
 from mpedu.model import LSTMLM  # noqa: E402
 from mpedu.cores import measure_cores  # noqa: E402
@@ -46,7 +49,7 @@ DEVICES = (2, 4)
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per candidate (median)")
+    parser.add_argument("--steps", type=int, default=9, help="measured steps per candidate (median)")
     parser.add_argument("--top", type=int, default=5, help="candidates to run for real")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -54,6 +57,7 @@ def main(argv=None):
     batch = random_batch(VOCAB, T, B)
     widths = [b for b in range(1, B + 1) if B % b == 0]
     def profile_all():
+        wait_quiet()
         return profile_curve(model, batch, "vgpu:0", widths=widths, lengths=[T // 2, T // 4], length_widths=widths,
                              warmup=1, repeats=3)
 
@@ -63,7 +67,11 @@ def main(argv=None):
     curves = [curve]
     print(f"mxnet8 (embed 200, 8 LSTM layers of 400, vocab {VOCAB}, dropout 0); batch T={T} B={B}; "
           f"profiled {len(curve.widths) + len(curve.lengths)} shapes in {profile_s:.1f} s")
-    loads, results = [os.getloadavg()[0]], {}
+    loads, results, other = [os.getloadavg()[0]], {}, []
+
+    def quiet(one_round, count):
+        """Each round after a quiet moment; one that other processes disturbed runs again (bench/quiet.py)."""
+        other.extend(c for c in quiet_rounds(one_round, count) if c is not None)
     for p in DEVICES:
         cores = measure_cores(p, repeats=3, model=model, batch=batch.split(B // widths[0])[0])
         free = plan(model, batch, p, costs=curve, cores=cores)
@@ -75,7 +83,7 @@ def main(argv=None):
         print(f"\n{p} virtual devices ({cores:.2f} cores' worth of work at once)")
         print(f"uncapped, the fastest: {free.best}")
         print(capped)
-        measured = capped.measure(model, batch, top=args.top, steps=args.steps)
+        measured = capped.measure(model, batch, top=args.top, steps=args.steps, rounds=quiet)
         loads.append(os.getloadavg()[0])
         print(measured)
         # The load drifts over minutes: predict the measured plans again from the median of the profiles
@@ -88,7 +96,7 @@ def main(argv=None):
         tau = kendall_tau(again, [r["measured_s"] for r in rows])
         worst = max(abs(r["error"]) for r in rows)
         # the top 5 may lie within a few percent of each other: rank 5 plans spread along the front too
-        spread = capped.measure(model, batch, candidates=capped.spread(args.top), steps=args.steps)
+        spread = capped.measure(model, batch, candidates=capped.spread(args.top), steps=args.steps, rounds=quiet)
         print("plans spread along the front that fits:\n" + spread.table())
         print(f"predicted again from the median of {len(curves)} profiles and {both:.2f} cores (before "
               f"{cores:.2f}, after {after:.2f}): " + ", ".join(f"{r['error']:+.1%}" for r in rows)
@@ -126,13 +134,15 @@ def main(argv=None):
           f"{two['worst_error']:.1%} (target <= 10%), planning {two['seconds_to_plan'] * 1e3:.0f} ms (target < 1 s); "
           f"4 devices: tau {results[4]['kendall_tau']:+.2f}, worst error {results[4]['worst_error']:.1%}, "
           f"planning {results[4]['seconds_to_plan'] * 1e3:.0f} ms (4 devices share {os.cpu_count()} cores); "
-          f"load average {min(loads):.1f}-{max(loads):.1f}")
+          f"load average {min(loads):.1f}-{max(loads):.1f}; other processes used "
+          + (f"{min(other):.2f}-{max(other):.2f} cores" if other else "(unknown)") + " during the rounds kept")
     finish("planner", {"benchmark": "planner", "model": "mxnet8", "vocab": VOCAB, "T": T, "B": B,
                        "profile_seconds": profile_s, "kendall_tau": two["kendall_tau"],
                        "worst_error": two["worst_error"], "seconds_to_plan": two["seconds_to_plan"],
                        "targets_met": two["kendall_tau"] >= 0.8 and two["worst_error"] <= 0.10
                        and two["seconds_to_plan"] < 1.0,
-                       "load_average": [min(loads), max(loads)], "by_devices": results, "buckets": buckets,
+                       "load_average": [min(loads), max(loads)], "other_processes_cores": other,
+                       "steps": args.steps, "by_devices": results, "buckets": buckets,
                        "machine": machine()})
 
 

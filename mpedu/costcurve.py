@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from .profile import Costs, profile
 
-_TIMES = ("forward", "backward", "backward_input", "backward_weight", "forward_nograd", "backward_cold")
+_TIMES = ("forward", "backward", "backward_input", "backward_weight", "forward_nograd")
 _BYTES = ("activation_bytes", "output_bytes", "shared_bytes", "input_saved_bytes")
 
 

@@ -42,6 +42,10 @@ SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1", "wavefront")
 RECOMPUTE = (None, "all", "all-but-last")
 
 
+class PlanStopped(Exception):
+    """plan(..., should_stop=...) said stop: the search ended before it was done (no result)."""
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One way to run a step: where the layers go, in what order, in how many pieces, with what kept."""
@@ -140,10 +144,12 @@ class Plans:
         return [fitting[round(i * (len(fitting) - 1) / (k - 1))] for i in range(k)]
 
     def measure(self, model, batch, top: int = 5, steps: int = 3, warmup: int = 1,
-                candidates: list[Candidate] | None = None) -> Measurement:
+                candidates: list[Candidate] | None = None, rounds=None) -> Measurement:
         """Run the `top` candidates for real (median of `steps` steps after `warmup`), one step of each
-        in turn per round so that drifting load falls on all alike; compare with the predictions."""
-        return measure(candidates if candidates is not None else self.top(top), model, batch, steps, warmup)
+        in turn per round so that drifting load falls on all alike; compare with the predictions.
+        `rounds`: see mpedu.ranking.measure."""
+        return measure(candidates if candidates is not None else self.top(top), model, batch, steps, warmup,
+                       rounds)
 
     def plot(self, ax=None, measured: Measurement | None = None):
         """Peak memory against step time: every simulated candidate (grey), the front (line), the best
@@ -163,7 +169,8 @@ def predict(candidate: Candidate, costs: CostCurve, T: int, B: int, link=None, c
 # -- the search --------------------------------------------------------------------------------------
 def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None = None, *,
          schedules: tuple[str, ...] = SCHEDULES, recompute: tuple = RECOMPUTE, micro_batches=None,
-         chunks: tuple[int, ...] = (2, 4), cores: float | None = None, link=None, **profile_args) -> Plans:
+         chunks: tuple[int, ...] = (2, 4), cores: float | None = None, link=None, should_stop=None,
+         **profile_args) -> Plans:
     """Search partitions, schedules, micro-batch counts and recomputation for `model` on `batch`
     over `devices` (a count or names), and return the Pareto front of step time against the
     largest device's peak memory.
@@ -173,6 +180,9 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     widths are scaled in proportion); None profiles every width the search needs on the first
     device (slow for big models: profile once and pass it). micro_batches: the counts to try
     (default: every divisor of the batch width). cores and link go to simulate.
+    should_stop: a function of no arguments, asked before each candidate is simulated; when it
+    returns true the search raises PlanStopped (a search in the background, cancelled because a
+    newer one waits).
     """
     T, B = batch.inputs.shape
     devs = get_devices(devices) if isinstance(devices, int) else [get_device(d) for d in devices]
@@ -226,6 +236,9 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
 
     pending: list[_Option] = []                         # skipped: dominated by a simulated candidate
     for c in candidates:
+        if should_stop is not None and should_stop():
+            raise PlanStopped(f"the search stopped after {len(simulated)} of {len(candidates)} candidates "
+                              "(should_stop said so)")
         if dominated(c.bound, c.memory_floor):
             pending.append(c)                           # something simulated is as fast and as small
             continue

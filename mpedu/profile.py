@@ -5,7 +5,6 @@ import copy
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 import torch
 
@@ -41,7 +40,6 @@ class StageCost:
     trainable_bytes: int | None = None     # weights that get a gradient (default: param_bytes)
     forward_nograd: float | None = None    # the forward without autograd (default: forward), what a
                                            # recomputing stage's first forward costs (it keeps nothing)
-    backward_cold: float | None = None     # the fused backward once its saved tensors left the caches
 
     def __post_init__(self):
         if self.trainable_bytes is None:
@@ -52,8 +50,6 @@ class StageCost:
             raise ValueError(f"a stage cannot take negative time: forward={self.forward}")
         if self.backward is None:
             object.__setattr__(self, "backward", 2.0 * self.forward)
-        if self.backward_cold is None:
-            object.__setattr__(self, "backward_cold", self.backward)
         for half in ("backward_input", "backward_weight"):
             if getattr(self, half) is None:
                 object.__setattr__(self, half, self.backward / 2)
@@ -83,12 +79,6 @@ class Costs:
     trainable_bytes: list[int] | None = None     # weights that get a gradient; None: all of param_bytes
     input_saved_bytes: list[int] | None = None   # bytes of its own input a layer saves; None: 0
     forward_nograd: list[float] | None = None    # forward under torch.no_grad (recomputation); None: forward
-    # The backward once the layer's saved tensors have left the caches (None: backward), timed after
-    # 2 x cache_bytes of other data went through them (0: not flushed, a GPU). `backward` is timed right
-    # after the forward, everything still cached; a pipeline's devices share the CPU's caches and memory
-    # bandwidth, and beside another busy core a backward runs nearer the cold time (mpedu.simulate).
-    backward_cold: list[float] | None = None
-    cache_bytes: int = 0
 
     def __post_init__(self):
         self.micro_batch = tuple(self.micro_batch)
@@ -97,8 +87,6 @@ class Costs:
             self.trainable_bytes = list(self.param_bytes)
         if self.forward_nograd is None:
             self.forward_nograd = list(self.forward)
-        if self.backward_cold is None:
-            self.backward_cold = list(self.backward)
         if self.input_saved_bytes is None:
             self.input_saved_bytes = [0] * n
 
@@ -133,8 +121,7 @@ class Costs:
                 input_bytes=self.output_bytes[first - 1] if first > 0 else 0,
                 input_saved_bytes=self.input_saved_bytes[first],
                 trainable_bytes=sum(self.trainable_bytes[k] for k in ks),
-                forward_nograd=sum(self.forward_nograd[k] for k in ks),
-                backward_cold=sum(self.backward_cold[k] for k in ks)))
+                forward_nograd=sum(self.forward_nograd[k] for k in ks)))
         return out
 
     def table(self) -> str:
@@ -166,7 +153,7 @@ class Costs:
         if not runs or any(r.names != runs[0].names for r in runs):
             raise ValueError("Costs.median needs one or more profiles of the same layers")
         d = runs[0].to_dict()
-        for key in ("forward", "backward", "backward_input", "backward_weight", "forward_nograd", "backward_cold"):
+        for key in ("forward", "backward", "backward_input", "backward_weight", "forward_nograd"):
             d[key] = [statistics.median(getattr(r, key)[k] for r in runs) for k in range(len(runs[0].names))]
         return cls.from_dict(d)
 
@@ -200,10 +187,9 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     finally:
         worker.stop()
     params, trainable = param_sizes(twin, model.layer_names)      # a tied weight once
-    f, bw, b, w, act, out, _, shared, f0, cold = measured
+    f, bw, b, w, act, out, _, shared, f0 = measured
     return Costs(model.layer_names, f, bw, b, w, act, out, params, shared, micro_batch=tuple(micro.inputs.shape),
-                 device=dev.name, trainable_bytes=trainable, input_saved_bytes=input_saved, forward_nograd=f0,
-                 backward_cold=cold, cache_bytes=0 if dev.is_cuda else cpu_cache_bytes())
+                 device=dev.name, trainable_bytes=trainable, input_saved_bytes=input_saved, forward_nograd=f0)
 
 
 def _copy_without_grads(model):
@@ -269,10 +255,7 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
                    for k, x in enumerate(inputs)]
 
     times = {"F": [[] for _ in layers], "BW": [[] for _ in layers], "B": [[] for _ in layers],
-             "W": [[] for _ in layers], "F0": [[] for _ in layers], "BWc": [[] for _ in layers]}
-    # BWc: the fused backward after twice the last-level cache's worth of other data went through the
-    # caches (a GPU's own caches are small beside its activations: its backward is timed once)
-    flush = None if dev.is_cuda else torch.empty(max(2 * cpu_cache_bytes(), 1 << 20) // 4)
+             "W": [[] for _ in layers], "F0": [[] for _ in layers]}
     for r in range(warmup + repeats):
         for k, layer in enumerate(layers):
             weights = [p for p in layer.parameters() if p.requires_grad]
@@ -297,46 +280,18 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
                 torch.autograd.backward([y], [grad], inputs=weights)
             sync()
             t5 = time.perf_counter()
+            if r < warmup:                  # F0 repeats what the warm-up already warmed
+                continue
             with torch.no_grad():           # F0: the forward a recomputing stage runs first, recording nothing
                 forward(k, inputs[k])
             sync()
             t6 = time.perf_counter()
-            if flush is not None:
-                x, y = forward(k, inputs[k])
-                grad = None if k == last else torch.ones_like(y)
-                flush.fill_(float(r))
-                t6a = time.perf_counter()
-                torch.autograd.backward([y], [grad], inputs=([x] if x.requires_grad else []) + weights)
-                t7 = time.perf_counter()
-            else:
-                t6a, t7 = t1, t2
-            if r >= warmup:
-                b, w = (t4 - t3 if leaves else 0.0), (t5 - t4 if weights else 0.0)
-                for key, value in (("F", t1 - t0), ("BW", t2 - t1), ("B", b), ("W", w), ("F0", t6 - t5),
-                                   ("BWc", t7 - t6a)):
-                    times[key][k].append(value)
+            b, w = (t4 - t3 if leaves else 0.0), (t5 - t4 if weights else 0.0)
+            for key, value in (("F", t1 - t0), ("BW", t2 - t1), ("B", b), ("W", w), ("F0", t6 - t5)):
+                times[key][k].append(value)
         for layer in layers:
             layer.zero_grad(set_to_none=True)
     med = {key: [statistics.median(v) for v in per] for key, per in times.items()}
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     return (med["F"], med["BW"], med["B"], med["W"], [sum(s.values()) for s in saved], output_bytes,
-            param_bytes, shared, med["F0"], med["BWc"]), input_saved
-
-
-def cpu_cache_bytes() -> int:
-    """The CPU's last-level cache in bytes (Linux sysfs), else 32 MiB: what a backward finds still cached."""
-    best = 0
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level = int((index / "level").read_text())
-            text = (index / "size").read_text().strip().upper()
-        except (OSError, ValueError):
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        try:
-            size = int(text.rstrip("KMG")) * unit
-        except ValueError:
-            continue
-        if level >= 2:
-            best = max(best, size)
-    return best or 32 << 20
+            param_bytes, shared, med["F0"]), input_saved

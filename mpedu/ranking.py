@@ -29,21 +29,35 @@ class Measurement:
         return self.table()
 
 
-def measure(candidates, model, batch, steps: int = 3, warmup: int = 1) -> Measurement:
+def measure(candidates, model, batch, steps: int = 3, warmup: int = 1, rounds=None) -> Measurement:
     """Run `candidates` (planner Candidates) for real (median of `steps` steps after `warmup`), one step of
-    each in turn per round so that drifting load falls on all alike; compare with their predictions."""
+    each in turn per round, the order reversed every other round, so that drifting load falls on all
+    alike; compare with their predictions.
+
+    rounds: how to run the measured rounds, `rounds(one_round, steps)`, where `one_round(r)` runs round r
+    and returns a function that forgets it (a benchmark waits for a quiet machine and runs again a round
+    that other work disturbed); None runs them one after another."""
     if len(candidates) < 2:
         raise ValueError(f"only {len(candidates)} candidate(s) to measure; a ranking needs two or more "
                          "(raise the memory cap, or allow more schedules)")
     pipes = [c.pipeline(model) for c in candidates]
     times = [[] for _ in candidates]
+
+    def one_round(r):
+        order = list(enumerate(pipes))
+        for k, pipe in (order if r % 2 == 0 else order[::-1]):
+            model.zero_grad(set_to_none=True)
+            times[k].append(pipe.train_step(batch).timeline.makespan)
+        return lambda: [ts.pop() for ts in times]
+
     try:
-        for r in range(warmup + steps):
-            for k, pipe in enumerate(pipes):
-                model.zero_grad(set_to_none=True)
-                span = pipe.train_step(batch).timeline.makespan
-                if r >= warmup:
-                    times[k].append(span)
+        for r in range(warmup):
+            one_round(r)()                                  # warm-up rounds: run, then forget
+        if rounds is None:
+            for r in range(steps):
+                one_round(r)
+        else:
+            rounds(one_round, steps)
     finally:
         for pipe in pipes:
             pipe.close()

@@ -33,9 +33,7 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     slow, whose every action takes twice as long.
     cores: for virtual devices sharing a CPU, how many run at full speed at once
     (os.cpu_count(), or mpedu.cores.measure_cores()); while n > 1 devices compute, each
-    runs at min(1, cores / n) of its speed, and a backward (B, W) at that / (backward_cold /
-    backward): beside a busy core it reads its saved tensors from memory. None: devices never
-    slow each other.
+    runs at min(1, cores / n) of its speed. None: devices never slow each other.
     link: a Link, or text for Link.parse ("pcie4", "10gbe/100"); None is the shared-memory
     default. Charged as the Pipeline charges it: the sender goes on, the receiver waits,
     and transfers in one direction between two devices queue for the bandwidth (see Link).
@@ -144,16 +142,8 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
         own = per_kind[a.kind][a.stage] + (per_kind["F"][a.stage] if rerun(a) else 0.0)
         return own / speed[d]
 
-    # Devices sharing a CPU's cores also share its caches and memory bandwidth. A backward reads back what
-    # its forward saved; beside another busy core those tensors come from memory: while other devices
-    # compute, B and W run at the speed the profile measured with the caches flushed (backward_cold).
-    colder = [max(1.0, c.backward_cold / c.backward) if c.backward > 0 else 1.0 for c in stage_costs]
-
-    def slowdown(a):
-        return colder[a.stage] if a.kind in ("B", "W") else 1.0
-
     arrivals: dict = {}                                            # sending action -> when its tensor lands
-    if link.bandwidth_Bps == inf and (cores is None or cores >= schedule.num_devices and max(colder) == 1.0):
+    if link.bandwidth_Bps == inf and (cores is None or cores >= schedule.num_devices):
         # Without a bandwidth limit transfers never queue: each lands link.time(bytes) after its send.
         # The tensor an action waits for: F(s) gets stage s-1's output, B(s) the gradient of stage s's output.
         recv = {"F": [0.0] + [link.time(stage_costs[s - 1].output_bytes / chunks) for s in range(1, n)],
@@ -170,8 +160,7 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
             arrivals[a] = channel.arrival(end, out[1])
             return arrivals[a]
 
-        played = _run_shared(schedule, cost, None, inf if cores is None else cores, send=send,
-                             slowdown=slowdown if cores is not None else None)
+        played = _run_shared(schedule, cost, None, inf if cores is None else cores, send=send)
     timeline = Timeline(list(names), source="predicted")
     events = timeline.events
     # activation bytes each action adds or frees (mpedu.footprint's units), so that the predicted timeline's
@@ -202,11 +191,9 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
     return timeline
 
 
-def _run_shared(schedule: Schedule, cost, link, cores: float, send=None,
-                slowdown=None) -> list[tuple[int, object, float, float]]:
+def _run_shared(schedule: Schedule, cost, link, cores: float, send=None) -> list[tuple[int, object, float, float]]:
     """Like schedules.run_order, but devices share `cores` processors: while n devices compute, each
-    progresses at min(1, cores / n) seconds of work per second (processor sharing; alone, at 1),
-    and an action `a` at that rate / slowdown(a) (what sharing the caches costs it; None: 1).
+    progresses at min(1, cores / n) seconds of work per second (processor sharing; alone, at 1).
     Steps from event to event: an action finishing, or one becoming ready to start.
 
     A dependency from another device is usable `link(action)` seconds after it ends, or, with
@@ -238,13 +225,11 @@ def _run_shared(schedule: Schedule, cost, link, cores: float, send=None,
             schedules.run_order(schedule)               # raises ScheduleError, naming the deadlock
         # one device alone runs as profiled; cores < 1 (two workers do less than one) is a real measurement
         rate = min(1.0, cores / len(busy)) if len(busy) > 1 else 1.0
-        rates = {d: rate / slowdown(current[d][0]) if slowdown is not None and len(busy) > 1 else rate
-                 for d in busy}
-        finish = min((current[d][2] / rates[d] for d in busy), default=inf)
+        finish = min((current[d][2] / rate for d in busy), default=inf)
         step = min(finish, next_ready - now)
         now += step
         for d in busy:
-            current[d][2] -= step * rates[d]
+            current[d][2] -= step * rate
             if current[d][2] <= 1e-12 * max(1.0, now):    # finished (up to rounding)
                 a, start, _ = current[d]
                 done[a] = (d, now, send(d, a, now) if send is not None else None)

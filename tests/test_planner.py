@@ -5,7 +5,7 @@ import pytest
 from conftest import fake_costs, make_batch, tiny_model
 from mpedu.costcurve import CostCurve
 from mpedu.footprint import device_footprints
-from mpedu.planner import RECOMPUTE, SCHEDULES, _enumerate, _simulate, plan
+from mpedu.planner import RECOMPUTE, SCHEDULES, PlanStopped, _enumerate, _simulate, plan
 from mpedu.simulate import predict_epoch
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,21 @@ def test_a_cap_nothing_fits_names_the_smallest_footprint(model, curve):
     with pytest.raises(ValueError, match="smallest footprint") as err:
         plan(model, batch, 2, costs=curve, memory_cap=smallest.peak_bytes - 1)
     assert smallest.label in str(err.value) and "Raise the cap" in str(err.value)
+
+
+def test_should_stop_ends_the_search_between_candidates(model, curve):
+    batch = make_batch(T=9, B=8)
+    asked = []
+
+    def after_ten():
+        asked.append(1)
+        return len(asked) > 10
+
+    with pytest.raises(PlanStopped, match="should_stop"):
+        plan(model, batch, 2, costs=curve, should_stop=after_ten)
+    assert len(asked) == 11                             # asked once per candidate until it said stop
+    done = plan(model, batch, 2, costs=curve, should_stop=lambda: False)
+    assert done.front == plan(model, batch, 2, costs=curve).front
 
 
 def test_bad_arguments_are_explained(model, curve):

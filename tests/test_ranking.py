@@ -35,6 +35,22 @@ def test_measure_runs_the_top_candidates_for_real(model):
     assert all(p.grad is None for p in model.parameters())     # measuring leaves the model as it was
 
 
+def test_measure_lets_the_caller_run_the_rounds_again(model):
+    # a benchmark's round runner: run round 0 twice (the first "disturbed", so forgotten), then the rest
+    batch = make_batch(T=9, B=8)
+    plans = plan(model, batch, 2, costs=fake_costs(model.layer_names, 9, 4), schedules=("gpipe", "1f1b"))
+    calls = []
+
+    def rounds(one_round, count):
+        one_round(0)()                                  # disturbed: undone
+        for r in range(count):
+            calls.append(r)
+            one_round(r)
+
+    result = plans.measure(model, batch, top=2, steps=3, warmup=1, rounds=rounds)
+    assert calls == [0, 1, 2] and all(len(r["steps_s"]) == 3 for r in result.rows)
+
+
 def test_a_measurement_reads_its_worst_error_and_needs_two_plans(model):
     rows = [{"label": "gpipe m=2", "placement": "a", "predicted_s": 0.010, "measured_s": 0.008, "error": 0.25},
             {"label": "1f1b m=4", "placement": "b", "predicted_s": 0.012, "measured_s": 0.015, "error": -0.2}]
