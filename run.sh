@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 venv=.venv
-stamp="$venv/.installed-$(cat requirements.lock pyproject.toml run.sh | sha1sum | cut -c1-12)"
+stamp="$venv/.installed-$(cat requirements.lock pyproject.toml | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
     echo "mpedu: setting up $venv (first run only; about a minute)" >&2
     python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
@@ -15,11 +15,6 @@ if [ ! -f "$stamp" ]; then
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r requirements.lock
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e .
-    # The notebooks' kernel starts with one malloc arena: a Jupyter kernel's own threads allocate before
-    # `import mpedu` can ask glibc for one arena, and a worker on another thread's arena faults its
-    # large tensors in again at every step (mpedu/allocator.py). Elsewhere the variable does nothing.
-    "$venv/bin/python" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (ipykernel)" \
-        --env MALLOC_ARENA_MAX 1 >/dev/null
     rm -f "$venv"/.installed-*
     touch "$stamp"
 fi
@@ -35,10 +30,6 @@ ensure_chromium() {
         echo "mpedu: chromium is missing; install it (sudo apt-get install chromium) or the browser test is skipped" >&2
     fi
 }
-
-# One malloc arena for the whole process (mpedu/allocator.py): nbval's kernels, the browser tests' Jupyter
-# servers and the tests' subprocesses inherit it from here.
-export MALLOC_ARENA_MAX=1
 
 command="${1:-}"
 [ $# -gt 0 ] && shift

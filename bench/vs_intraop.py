@@ -6,7 +6,8 @@ The how-to's model (`mxnet8`: embed 200, 8 LSTM layers of 400, vocab 10,000; T=3
 dropout off on both sides so the work is the same) is trained four ways:
   plain1  one plain PyTorch module (embedding, one 8-layer nn.LSTM, linear), 1 thread
   plain2  the same module with 2 intra-op threads: what a user gets from two cores without mpedu
-  mpedu1  mpedu on 1 virtual device (its worker thread, one core)
+  mpedu1  mpedu on 1 virtual device (its worker thread, one core), with mpedu's default malloc
+          settings and again with MPEDU_ALLOCATOR=one-arena
   mpedu2  mpedu on 2 virtual devices: 1F1B, zero bubble, wavefront (time chunks of the whole
           batch) and interleaved 1F1B, each time-balanced (1F1B also with the cut moved one layer
           either way); the fastest measured counts
@@ -18,7 +19,7 @@ round of every two-device run picks the fastest; then each round runs the plain 
 mpedu process one after the other (the order alternates, and so does the order of runs inside
 each); ratios are medians over those rounds of same-round pairs, never from the picking round.
 JSON: per setting `pipeline_vs_2core_limit` (best mpedu2 / plain2) and `one_device_vs_plain`
-(mpedu1 / plain1), tokens/s, minor page faults per step.
+(mpedu1 / plain1; `_one_arena` with one-arena), tokens/s, minor page faults per step.
 """
 from __future__ import annotations
 
@@ -187,17 +188,22 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
     for r in range(rounds):
         order = "forward" if r % 2 == 0 else "backward"
         row = {}
-        for kind in (("plain", "mpedu") if r % 2 == 0 else ("mpedu", "plain")):
-            row.update(child(kind, setting, steps, order=order, runs={best: runs[best]} if kind == "mpedu" else None))
+        for kind in (("plain", "mpedu", "one-arena") if r % 2 == 0 else ("one-arena", "mpedu", "plain")):
+            if kind == "one-arena":     # mpedu's one device again, every thread in one malloc arena
+                row["mpedu1 one-arena"] = child("mpedu", setting, steps, allocator="one-arena")["mpedu1"]
+            else:
+                row.update(child(kind, setting, steps, order=order, runs={best: runs[best]} if kind == "mpedu" else None))
         measured.append(row)
-    names = ["plain1", "plain2", "mpedu1", best]
+    names = ["plain1", "plain2", "mpedu1", "mpedu1 one-arena", best]
     tps = {n: statistics.median(r[n]["tokens_per_s"] for r in measured) for n in names}
     faults = {n: statistics.median(r[n]["faults_per_step"] for r in measured) for n in names}
     ratio = lambda a, b: statistics.median(r[a]["tokens_per_s"] / r[b]["tokens_per_s"] for r in measured)  # noqa: E731
     out = {"allocator_in_mpedu": measured[0]["allocator"], "tokens_per_s": tps, "faults_per_step": faults,
            "best_pipeline": best, "best_placement": runs[best][0],
            "picking_round_tokens_per_s": {n: picking[n]["tokens_per_s"] for n in runs},
-           "one_device_vs_plain": ratio("mpedu1", "plain1"), "pipeline_vs_2core_limit": ratio(best, "plain2"),
+           "one_device_vs_plain": ratio("mpedu1", "plain1"),
+           "one_device_vs_plain_one_arena": ratio("mpedu1 one-arena", "plain1"),
+           "pipeline_vs_2core_limit": ratio(best, "plain2"),
            "two_core_limit_vs_plain": ratio("plain2", "plain1"), "pipeline_vs_one_device": ratio(best, "mpedu1")}
     print(f"\n{setting} malloc (mpedu: {out['allocator_in_mpedu']})")
     print("  picking round, two virtual devices (tokens/s): " + "; ".join(
@@ -205,7 +211,8 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
     print(f"  {'run (' + str(rounds) + ' rounds in turn)':40s} {'tokens/s':>9s} {'faults/step':>12s}")
     for n in names:
         print(f"  {n:40s} {tps[n]:9.0f} {faults[n]:12.0f}")
-    print(f"  one device vs plain {out['one_device_vs_plain']:.3f}; best pipeline vs 2-core limit "
+    print(f"  one device vs plain {out['one_device_vs_plain']:.3f} (one-arena "
+          f"{out['one_device_vs_plain_one_arena']:.3f}); best pipeline vs 2-core limit "
           f"{out['pipeline_vs_2core_limit']:.3f}; 2 threads vs 1: {out['two_core_limit_vs_plain']:.2f}x; "
           f"pipeline vs one device {out['pipeline_vs_one_device']:.2f}x")
     return out

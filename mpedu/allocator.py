@@ -2,26 +2,26 @@
 
 A training step allocates the same large tensors every time (the decoder's logits of
 `mxnet8`, T*B*V floats, are 90 MB). glibc's defaults hand large freed blocks back to the
-kernel (munmap, or trimming the heap top), so each step faults them in again, page by
-page, and the kernel zeroes every page: about 150,000 minor faults per `mxnet8` step,
-some 15% of its time on one core. Two settings stop that for the main arena: no `mmap`
-for large blocks (M_MMAP_MAX = 0) and no trimming (M_TRIM_THRESHOLD = -1, "never").
+kernel (munmap, or trimming a heap), so each step faults them in again, page by page, and
+the kernel zeroes every page: about 150,000 minor faults per `mxnet8` step, some 15% of
+its time on one core. mpedu's default, `keep`, stops that: no `mmap` for large blocks
+(M_MMAP_MAX 0), no trimming (M_TRIM_THRESHOLD -1, "never"), and a 64 MiB top pad
+(M_TOP_PAD), without which glibc still unmaps a worker thread's extra heap as soon as
+all of it is free.
 
-They are not enough for a worker thread. glibc gives other threads arenas of their
-own, made of heaps of at most 64 MiB: a larger block is mmapped whatever the settings,
-and a heap whose memory is all free is unmapped at once, so a virtual device's worker
-still faults ~90,000 times a step. One arena for every thread (M_ARENA_MAX = 1) keeps
-all of it in the main arena. That only holds while no other thread has made an arena
-of its own: an arena, once made, is handed on to later threads too. So mpedu sets it at
-import, each virtual device's worker checks where its memory comes from
-(`check_worker_arena`), and `state()` names the workers that landed elsewhere (possible
-in a Jupyter kernel, whose threads allocate before the first cell). Starting Python with
-MALLOC_ARENA_MAX=1 in the environment avoids that. Measured: `bench/vs_intraop.py`.
+One gap remains. glibc gives each thread an arena of its own, made of heaps of at most
+64 MiB, so in a worker thread a block larger than that is mapped afresh every time
+(a one-device run of `mxnet8`, whose whole-batch logits are 90 MB: ~90,000 faults a
+step). `one-arena` closes it by putting every thread in the main arena (M_ARENA_MAX 1,
+which only holds for threads that have not allocated yet: mpedu sets it at import, each
+worker checks where its memory comes from, `state()` names any that landed elsewhere).
+Its price, measured: two workers take the one arena's lock for every tensor, which costs
+about 5% of two virtual devices' work on small tensors (`bench/vs_intraop.py`). So
+`keep` is the default, and `one-arena` is for one device and tensors over 64 MiB.
 
-The price: memory freed by a step stays with the process (its peak, as PyTorch's CUDA
-caching allocator keeps GPU memory), and every thread takes the one arena's lock.
-`MPEDU_ALLOCATOR=system` leaves malloc alone. Without glibc (macOS, musl) nothing is
-changed and `state()` says so.
+Either way memory freed by a step stays with the process (its peak, as PyTorch's CUDA
+caching allocator keeps GPU memory). `MPEDU_ALLOCATOR=keep|one-arena|system` chooses;
+`system` leaves malloc alone. Without glibc (macOS, musl) nothing is changed.
 """
 from __future__ import annotations
 
@@ -33,13 +33,15 @@ import threading
 import warnings
 
 # glibc's mallopt parameter numbers (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX, M_ARENA_MAX = -1, -2, -4, -8
 NEVER = -1                      # M_TRIM_THRESHOLD -1: glibc stores SIZE_MAX, "disables trimming completely"
-SETTINGS = ((M_ARENA_MAX, 1, "one arena"), (M_MMAP_MAX, 0, "no mmap"), (M_TRIM_THRESHOLD, NEVER, "no trim"))
+KEEP = ((M_MMAP_MAX, 0, "no mmap"), (M_TRIM_THRESHOLD, NEVER, "no trim"), (M_TOP_PAD, 64 << 20, "64 MiB pad"))
+ONE_ARENA = ((M_ARENA_MAX, 1, "one arena"),) + KEEP
+CHOICES = {"keep": KEEP, "one-arena": ONE_ARENA, "system": ()}
 
 _lock = threading.Lock()
 _state: str | None = None       # what keep_freed_memory did; None until it ran
-_elsewhere: set[str] = set()    # workers whose thread malloc serves from an arena other than the main one
+_elsewhere: set[str] = set()    # one-arena: workers whose malloc serves them from another arena
 
 
 def glibc():
@@ -77,16 +79,16 @@ def in_main_arena() -> bool | None:
 
 
 def check_worker_arena(name: str) -> None:
-    """Called in a new worker thread: note it when kept memory cannot reach it (another thread's arena)."""
+    """Called in a new worker thread: under one-arena, note it when its memory comes from another arena."""
     if "one arena" in keep_freed_memory() and in_main_arena() is False:
         with _lock:
             _elsewhere.add(name)
 
 
 def keep_freed_memory() -> str:
-    """Make glibc keep freed memory for reuse (once per process); return what was done, in words.
+    """Set glibc's malloc as MPEDU_ALLOCATOR says (once per process); return what was done, in words.
 
-    Idempotent and thread-safe. `MPEDU_ALLOCATOR=system` (read at the first call) leaves malloc alone.
+    Idempotent and thread-safe; the variable is read at the first call (mpedu's import).
     """
     global _state
     with _lock:
@@ -96,24 +98,25 @@ def keep_freed_memory() -> str:
 
 
 def _apply(choice: str) -> str:
+    if choice not in CHOICES:
+        warnings.warn(f"MPEDU_ALLOCATOR={choice!r} is not a choice: use 'keep' (mpedu's default: freed memory "
+                      "stays with the process for the next step), 'one-arena' (also one malloc arena for every "
+                      "thread) or 'system' (malloc as it is); leaving malloc as it is", stacklevel=3)
+        return f"system malloc (MPEDU_ALLOCATOR={choice!r} is not a choice)"
     if choice == "system":
         return "system malloc (MPEDU_ALLOCATOR=system)"
-    if choice != "keep":
-        warnings.warn(f"MPEDU_ALLOCATOR={choice!r} is not a choice: use 'keep' (mpedu's default: freed memory "
-                      "stays with the process for the next step) or 'system' (malloc as it is); leaving malloc "
-                      "as it is", stacklevel=3)
-        return f"system malloc (MPEDU_ALLOCATOR={choice!r} is not a choice)"
     libc = glibc()
     if libc is None:
         return "system malloc (not glibc: nothing to set)"
-    refused = [name for param, value, name in SETTINGS if libc.mallopt(param, value) != 1]
-    kept = ", ".join(name for _, _, name in SETTINGS if name not in refused)
+    settings = CHOICES[choice]
+    refused = [name for param, value, name in settings if libc.mallopt(param, value) != 1]
+    kept = ", ".join(name for _, _, name in settings if name not in refused)
     text = f"glibc: freed memory kept ({kept})" if kept else "system malloc (glibc refused every setting)"
     return text + (f"; glibc refused: {', '.join(refused)}" if refused and kept else "")
 
 
 def state() -> str:
-    """What mpedu did to malloc, in words, with the workers it could not reach."""
+    """What mpedu did to malloc, in words, with the workers one-arena could not reach."""
     text = keep_freed_memory()
     if _elsewhere:
         text += (f"; worker(s) {', '.join(sorted(_elsewhere))} took another thread's arena, where blocks over "

@@ -41,16 +41,23 @@ FAULTS_IN_A_WORKER = """
 def test_keeping_is_idempotent_and_says_what_it_did():
     first = allocator.keep_freed_memory()
     assert allocator.keep_freed_memory() == first == allocator.state()
-    assert first.startswith("glibc: freed memory kept" if GLIBC else "system malloc")
+    assert first == ("glibc: freed memory kept (no mmap, no trim, 64 MiB pad)" if GLIBC else
+                     "system malloc (not glibc: nothing to set)")
 
 
 @pytest.mark.skipif(not GLIBC, reason="the malloc settings exist in glibc only")
-def test_a_worker_reuses_freed_memory_instead_of_faulting_it_in_again():
-    kept = float(run(FAULTS_IN_A_WORKER))
-    system = float(run(FAULTS_IN_A_WORKER, MPEDU_ALLOCATOR="system"))
-    # (relative: with transparent huge pages always on, a fresh 100 MB block faults ~50 times, not ~24,000)
-    assert system > 0, "system malloc should map a freed 100 MB block afresh, faulting it in again"
-    assert kept < 0.05 * system, f"kept memory should be reused: {kept} faults per round vs {system} without"
+@pytest.mark.parametrize("mb", [40, 100])
+def test_a_worker_reuses_freed_memory_instead_of_faulting_it_in_again(mb):
+    """keep: a block within a worker's 64 MiB heaps is reused; a larger one only under one-arena."""
+    code = FAULTS_IN_A_WORKER.replace("25_000_000", str(mb * 250_000))
+    faults = {choice: float(run(code, MPEDU_ALLOCATOR=choice)) for choice in ("system", "keep", "one-arena")}
+    # (relative: with transparent huge pages always on, a fresh block faults ~50 times, not ~24,000)
+    assert faults["system"] > 0, f"system malloc should map a freed {mb} MB block afresh: {faults}"
+    assert faults["one-arena"] < 0.05 * faults["system"], faults
+    if mb < 64:
+        assert faults["keep"] < 0.05 * faults["system"], faults
+    else:                                   # the gap one-arena closes: mapped afresh in a thread's own arena
+        assert faults["keep"] > 0.5 * faults["system"], faults
 
 
 def test_system_leaves_malloc_alone_and_a_typo_is_named_without_breaking_the_import():
@@ -76,15 +83,18 @@ WORKERS_AFTER_AN_ALLOCATING_THREAD = """
     workers = [Worker(get_device(f"vgpu:{k}")) for k in range(2)]
     print(mpedu.allocator.in_main_arena(), mpedu.allocator.state())
 """
+ONE_ARENA = "glibc: freed memory kept (one arena, no mmap, no trim, 64 MiB pad)"
 
 
 @pytest.mark.skipif(not GLIBC, reason="arenas are glibc's")
-def test_a_worker_on_another_threads_arena_is_named_and_the_variable_avoids_it():
-    named = run(WORKERS_AFTER_AN_ALLOCATING_THREAD)
-    assert named.startswith("True glibc: freed memory kept (one arena, no mmap, no trim); worker(s) vgpu:")
+def test_one_arena_names_a_worker_on_another_threads_arena_and_the_variable_avoids_it():
+    named = run(WORKERS_AFTER_AN_ALLOCATING_THREAD, MPEDU_ALLOCATOR="one-arena")
+    assert named.startswith(f"True {ONE_ARENA}; worker(s) vgpu:")
     assert "took another thread's arena" in named and "MALLOC_ARENA_MAX=1" in named
-    assert run(WORKERS_AFTER_AN_ALLOCATING_THREAD, MALLOC_ARENA_MAX="1") == \
-        "True glibc: freed memory kept (one arena, no mmap, no trim)"
+    assert run(WORKERS_AFTER_AN_ALLOCATING_THREAD, MPEDU_ALLOCATOR="one-arena", MALLOC_ARENA_MAX="1") == \
+        f"True {ONE_ARENA}"
+    # keep gives each worker an arena of its own on purpose: nothing to name
+    assert run(WORKERS_AFTER_AN_ALLOCATING_THREAD) == "True glibc: freed memory kept (no mmap, no trim, 64 MiB pad)"
 
 
 def test_glibc_is_found_only_where_it_is(monkeypatch):
