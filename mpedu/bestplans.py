@@ -9,7 +9,7 @@ import ipywidgets as w
 
 from .costcurve import CostCurve
 from .devices import format_size, parse_size
-from .planner import plan
+from .planner import PlanStopped, plan
 from .wording import RECOMPUTE, SCHEDULES
 
 ROWS = 4            # plans that fit, fastest first
@@ -38,7 +38,7 @@ class BestPlans(w.VBox):
     only when what it depends on changes (the devices, the link, the cap, the costs measured), never for a drag
     or a menu, which change none of these: `refresh` compares a key and returns at once when it is the same.
     It runs on a thread of its own, so the board stays responsive while it searches; a request that arrives
-    mid-search replaces any waiting one, and the search's own result is dropped when a newer one is waiting.
+    mid-search replaces any waiting one and stops the running search at its next candidate.
     """
 
     def __init__(self, model, batch, apply, memory_cap=None):
@@ -100,9 +100,13 @@ class BestPlans(w.VBox):
                     return
             devices, link, cap, curve, ms = job
             try:
-                plans = plan(self.model, self.batch, devices, cap, costs=curve, micro_batches=ms, link=link)
+                # a newer request (another device count, link or cap) ends this search at the next candidate
+                plans = plan(self.model, self.batch, devices, cap, costs=curve, micro_batches=ms, link=link,
+                             should_stop=lambda: self._waiting is not None)
                 rows = plans.fastest_fitting(ROWS)
                 over = [c for c in plans.front if not c.fits and c.step_s < plans.best.step_s][:OVER]
+            except PlanStopped:                          # superseded: the loop takes the waiting request
+                continue
             except Exception as error:                   # no plan fits the cap, tied weights: said in the panel
                 plans, rows, message = None, [], _warn(error)
             else:
