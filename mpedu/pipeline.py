@@ -355,9 +355,10 @@ class Pipeline:
             finally:
                 if device.is_cuda:
                     torch.cuda.current_stream().synchronize()
-                for kind, s, a, start, end, nbytes, peer, memory in marks:
-                    timeline.add(Event(device.name, kind, s, a.mb, clock.seconds(start), clock.seconds(end),
-                                       a.chunk, nbytes, peer, memory))
+                # the events are made when someone reads the timeline, not on the step's critical path
+                timeline.add_later(lambda: [
+                    Event(device.name, kind, s, a.mb, clock.seconds(start), clock.seconds(end), a.chunk, nbytes,
+                          peer, memory) for kind, s, a, start, end, nbytes, peer, memory in marks])
         return job
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .files import atomic_write
@@ -43,16 +43,34 @@ COMPUTE = ("F", "R", "B", "W")
 ALL_REDUCE = "allreduce"
 
 
-@dataclass
 class Timeline:
     """A step's events on p devices, measured (by the Pipeline) or predicted (by the simulator)."""
 
-    devices: list[str]
-    events: list[Event] = field(default_factory=list)
-    source: str = "measured"   # or "predicted"
+    def __init__(self, devices: list[str], events: list[Event] | None = None, source: str = "measured"):
+        self.devices = devices
+        self.source = source          # "measured" or "predicted"
+        self._events: list[Event] = list(events or [])
+        self._later: list = []        # callables, each returning events: a worker's marks, turned into events on demand
+
+    @property
+    def events(self) -> list[Event]:
+        """Every event; a measured step's are built from its workers' marks at the first look (a step that
+        nobody looks at never pays for them: hundreds of objects made and freed on its critical path)."""
+        while self._later:
+            self._events.extend(self._later.pop(0)())
+        return self._events
+
+    @events.setter
+    def events(self, events: list[Event]) -> None:
+        self._events, self._later = list(events), []
 
     def add(self, event: Event) -> None:
-        self.events.append(event)   # list.append is atomic: workers may call this concurrently
+        self._events.append(event)    # list.append is atomic: workers may call this concurrently
+
+    def add_later(self, build) -> None:
+        """Add the events `build()` returns when the timeline is first read (build must not depend on
+        anything that changes meanwhile: a worker hands its finished marks and its clock)."""
+        self._later.append(build)
 
     def compute(self, device: str | None = None) -> list[Event]:
         return sorted((e for e in self.events if e.kind in COMPUTE and (device is None or e.device == device)),

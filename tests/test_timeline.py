@@ -37,3 +37,14 @@ def test_summary_and_round_trip():
 
 def test_empty_timeline_has_no_bubble():
     assert Timeline(["vgpu:0"]).bubble_fraction == 0.0
+
+
+def test_events_handed_later_are_built_once_at_the_first_look():
+    t, built = Timeline(["vgpu:0"]), []
+    t.add(Event("vgpu:0", "F", 0, 0, 0.0, 1.0))
+    t.add_later(lambda: built.append(1) or [Event("vgpu:0", "B", 0, 0, 1.0, 3.0)])
+    assert built == []                                   # a step nobody reads never builds its events
+    assert [e.kind for e in t.events] == ["F", "B"] and t.busy("vgpu:0") == 3.0
+    assert built == [1] and len(t.events) == 2           # built once
+    t.events = []
+    assert t.makespan == 0.0
