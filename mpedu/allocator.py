@@ -16,7 +16,8 @@ step). `one-arena` closes it by putting every thread in the main arena (M_ARENA_
 which only holds for threads that have not allocated yet: mpedu sets it at import, each
 worker checks where its memory comes from, `state()` names any that landed elsewhere).
 Its price, measured: two workers take the one arena's lock for every tensor, which costs
-about 5% of two virtual devices' work on small tensors (`bench/vs_intraop.py`). So
+about 5% of two virtual devices' work on small tensors (`mpedu.cores.measure_cores`,
+`bench/speedup.py`, `bench/overhead.py`; `bench/vs_intraop.py` times both choices). So
 `keep` is the default, and `one-arena` is for one device and tensors over 64 MiB.
 
 Either way memory freed by a step stays with the process (its peak, as PyTorch's CUDA
