@@ -43,6 +43,8 @@ PIPELINES = (("1f1b", 4, 1, 2), ("1f1b", 8, 1, 2), ("zb1", 4, 1, 2), ("wavefront
 
 
 def batch_tensors():
+    """bench/common.random_batch's tokens, made here because common imports mpedu, whose import would set
+    malloc in the plain processes too."""
     import torch
     g = torch.Generator().manual_seed(0)
     targets = torch.randint(3, VOCAB, (T, B), generator=g)

@@ -60,7 +60,7 @@ class Mailbox:
         if self._spin and key not in self._items:
             deadline = time.perf_counter() + SPIN_RECEIVE_S
             while key not in self._items and not self.aborted and time.perf_counter() < deadline:
-                time.sleep(0)         # lets the sender hold the interpreter lock; it does not give up the core
+                time.sleep(0)         # lets go of the interpreter lock between looks; the core stays busy
         with self._lock:
             item = self._items.pop(key, None)
             if item is None:
