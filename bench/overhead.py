@@ -1,6 +1,6 @@
 """Runtime overhead per action, with near-empty stages so bookkeeping is visible.
 
-    python bench/overhead.py [--micro-batches 32] [--repeats 60]
+    python bench/overhead.py [--micro-batches 32] [--repeats 30] [--rounds 5]
 
 The step's measured timeline says how long each action's own compute took. Playing
 the same actions, in the same order, with those durations and free hand-offs
@@ -9,8 +9,15 @@ pipeline's wall-clock step time minus that ideal, divided by the actions on the
 critical device, is what mpedu's machinery (worker hand-offs, mailbox, timing,
 transfers, splitting the batch, collecting the loss) adds per action.
 
-The headline `us_per_action` is the worst run whose devices each have a core of
-their own. A run with more virtual devices than cores is printed too, apart
+The headline `us_per_action` is the worst schedule whose devices each have a core of
+their own, each schedule's figure the median over `--rounds` rounds run in turn (every
+round builds every pipeline afresh: new worker threads). Two threads' overhead on this
+VM comes in phases: for seconds at a time the same 1F1B run takes ~25-30 us per action
+instead of ~17, its actions' own times swelling alike, while one device's run beside it
+does not change (cross-core traffic of two threads: hand-overs of the interpreter lock,
+reference counts of shared objects). Rounds in turn let one phase touch every schedule
+alike, and the median keeps it from being the headline; each round's figures are printed.
+A run with more virtual devices than cores is printed too, apart
 (`us_per_action_oversubscribed`): its gaps also hold the time its threads wait
 for a free core and for Python's interpreter lock, which grows with the threads
 per core rather than with mpedu's bookkeeping.
@@ -51,31 +58,41 @@ def overhead_per_action(pipe, batch, repeats: int) -> tuple[float, float, int]:
     return statistics.median(samples), statistics.median(walls), len(tl.compute())
 
 
+RUNS = [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("zb1", 2), ("gpipe", 4)]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batches", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=60)   # steps of ~30 ms: a second per run
+    parser.add_argument("--repeats", type=int, default=30)   # steps of ~20 ms per pipeline and round
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     m = args.micro_batches
     model = LSTMLM(8, LMConfig(embed_size=1, hidden_size=1, num_layers=2))   # width 1, T = 1: near-empty
     batch = random_batch(8, T=1, B=m)
     cores = len(usable_cores())
-    rows = []
-    for schedule, placement in [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("zb1", 2), ("gpipe", 4)]:
-        with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
-            per, wall, actions = overhead_per_action(pipe, batch, args.repeats)
-            rows.append((f"{schedule}, {len(pipe.devices)} device(s)", actions, wall, per, len(pipe.devices) > cores))
-    print(f"near-empty stages (width 1, T=1), m={m}; overhead = (step wall time - ideal replay) / actions per device")
+    per_round = {}                        # name -> [us per action in each round]
+    info = {}                             # name -> (actions, step wall times, more devices than cores)
+    for r in range(args.rounds):
+        for schedule, placement in (RUNS if r % 2 == 0 else RUNS[::-1]):
+            with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
+                per, wall, actions = overhead_per_action(pipe, batch, args.repeats)
+                name = f"{schedule}, {len(pipe.devices)} device(s)"
+                per_round.setdefault(name, []).append(per * 1e6)
+                info.setdefault(name, (actions, [], len(pipe.devices) > cores))[1].append(wall)
+    print(f"near-empty stages (width 1, T=1), m={m}; overhead = (step wall time - ideal replay) / actions per "
+          f"device; median of {args.rounds} rounds in turn (each round's in brackets)")
     print(f"{'run':<24}{'actions':>9}{'step (ms)':>11}{'us/action':>11}")
-    for name, actions, wall, per, shared in rows:
+    median = {name: statistics.median(v) for name, v in per_round.items()}
+    for name, (actions, walls, shared) in info.items():
         note = f"  (more devices than the {cores} cores)" if shared else ""
-        print(f"{name:<24}{actions:>9}{wall * 1e3:>11.2f}{per * 1e6:>11.1f}{note}")
-    own = [r[3] for r in rows if not r[4]]
-    shared = [r[3] for r in rows if r[4]]
-    finish("overhead", {"benchmark": "overhead", "micro_batches": m, "cores": cores,
-                        "us_per_action": max(own) * 1e6,
-                        "us_per_action_oversubscribed": max(shared) * 1e6 if shared else None,
-                        "runs": {r[0]: r[3] * 1e6 for r in rows}, "machine": machine()})
+        rounds = ", ".join(f"{v:.1f}" for v in per_round[name])
+        print(f"{name:<24}{actions:>9}{statistics.median(walls) * 1e3:>11.2f}{median[name]:>11.1f}  [{rounds}]{note}")
+    own = [median[n] for n, i in info.items() if not i[2]]
+    shared = [median[n] for n, i in info.items() if i[2]]
+    finish("overhead", {"benchmark": "overhead", "micro_batches": m, "cores": cores, "rounds": args.rounds,
+                        "us_per_action": max(own), "us_per_action_oversubscribed": max(shared) if shared else None,
+                        "runs": median, "rounds_us_per_action": per_round, "machine": machine()})
 
 
 if __name__ == "__main__":

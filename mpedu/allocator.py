@@ -10,15 +10,17 @@ its time on one core. mpedu's default, `keep`, stops that: no `mmap` for large b
 all of it is free.
 
 One gap remains. glibc gives each thread an arena of its own, made of heaps of at most
-64 MiB, so in a worker thread a block larger than that is mapped afresh every time
-(a one-device run of `mxnet8`, whose whole-batch logits are 90 MB: ~90,000 faults a
-step). `one-arena` closes it by putting every thread in the main arena (M_ARENA_MAX 1,
-which only holds for threads that have not allocated yet: mpedu sets it at import, each
-worker checks where its memory comes from, `state()` names any that landed elsewhere).
-Its price, measured: two workers take the one arena's lock for every tensor, which costs
-about 5% of two virtual devices' work on small tensors (`mpedu.cores.measure_cores`,
+64 MiB, so in a worker thread a block larger than that is mapped afresh every time (a
+one-device run of `mxnet8` on a worker, whose whole-batch logits are 90 MB: ~90,000 faults
+a step). A lone virtual device therefore runs on the calling thread (devices.CallerThread),
+whose memory follows these settings; a pipeline's workers hold a micro-batch each, rarely
+that much. `one-arena` closes the gap for every thread by putting all of them in the main arena
+(M_ARENA_MAX 1, which only holds for threads that have not allocated yet: mpedu sets it at
+import, each worker checks where its memory comes from, `state()` names any that landed
+elsewhere). Its price, measured: two workers take the one arena's lock for every tensor,
+which costs about 5% of two virtual devices' work on small tensors (`mpedu.cores.measure_cores`,
 `bench/speedup.py`, `bench/overhead.py`; `bench/vs_intraop.py` times both choices). So
-`keep` is the default, and `one-arena` is for one device and tensors over 64 MiB.
+`keep` is the default, and `one-arena` is for workers that hold tensors over 64 MiB.
 
 Either way memory freed by a step stays with the process (its peak, as PyTorch's CUDA
 caching allocator keeps GPU memory). `MPEDU_ALLOCATOR=keep|one-arena|system` chooses;

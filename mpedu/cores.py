@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from .devices import Worker, get_device
+from .devices import Worker, get_device, own_cores
 from .model import nll_sum
 
 
@@ -32,7 +32,9 @@ def measure_cores(n: int = 2, repeats: int = 5, model=None, batch=None, steps: i
         copies = [torch.nn.LSTM(256, 256) for _ in range(n)]
         x = torch.randn(35, 8, 256)                                   # (T, b, H), like a micro-batch
         step = lambda m: m(x)[0].sum().backward()                     # noqa: E731
-    workers = [Worker(get_device(f"vgpu:{k}")) for k in range(n)]
+    devices = [get_device(f"vgpu:{k}") for k in range(n)]
+    cores = own_cores(devices)                  # pinned as a pipeline pins them
+    workers = [Worker(d, core=cores and cores[k]) for k, d in enumerate(devices)]
 
     def job(m):
         def run():

@@ -143,6 +143,21 @@ def format_size(nbytes: float) -> str:
     return f"{nbytes:.0f} bytes"
 
 
+def own_cores(devices: list[Device]) -> list[int] | None:
+    """A core for each device when they are all virtual and there are cores enough, else None.
+
+    A pipeline pins each worker to its core: left to the scheduler, two workers that hand tensors
+    back and forth every few hundred microseconds are now and then woken on one core (the one
+    that woke them) and wait there; measured on near-empty stages, 1F1B's overhead per action
+    then jumps from ~17 to ~28 us for the whole run. Pinned, a virtual device is its core, as
+    the course says. Not where the OS cannot pin (macOS), nor with more devices than cores.
+    """
+    cores = usable_cores()
+    if not hasattr(os, "sched_setaffinity") or not all(d.virtual for d in devices) or len(devices) > len(cores):
+        return None
+    return cores[:len(devices)]
+
+
 def start_device(device: Device):
     """Prepare the calling thread to run `device`'s work; return its CUDA stream (None off a GPU).
 
@@ -167,14 +182,16 @@ class Worker:
     runs torch single-threaded; a CUDA device's thread issues work on its own stream.
     """
 
-    def __init__(self, device: Device, start=None):
+    def __init__(self, device: Device, start=None, core: int | None = None):
         """`start(device)` runs first in the new thread and returns the CUDA stream to issue work on
-        (None off a GPU); the default is `start_device`. If it raises (a GPU in exclusive-process
+        (None off a GPU); the default is `start_device`. `core` pins the thread to that CPU core
+        (see own_cores). If it raises (a GPU in exclusive-process
         mode that another process holds, no memory left for a CUDA context), the constructor raises
         a RuntimeError naming the device, instead of waiting for a thread that will never be ready."""
         self.device = device
         self.stream = None
         self._start = start or start_device
+        self._core = core
         self._start_error: BaseException | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"mpedu-{device.name}", daemon=True)
@@ -192,6 +209,8 @@ class Worker:
 
     def _loop(self) -> None:
         try:
+            if self._core is not None:
+                os.sched_setaffinity(0, {self._core})     # 0: this thread (Linux schedules threads)
             self.stream = self._start(self.device)
         except BaseException as exc:    # handed to the constructor, which raises it
             self._start_error = exc
@@ -238,6 +257,45 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+class CallerThread:
+    """A lone virtual device's worker that is the calling thread itself (Worker's interface).
+
+    With one device nothing runs at the same time, so a thread of its own would add only a
+    hand-off per step, and something worse: glibc serves another thread from an arena of heaps of
+    at most 64 MiB, so a larger tensor (the 90 MB logits of an `mxnet8` batch) is mapped afresh and
+    faulted in page by page at every step (mpedu.allocator). The calling thread's memory obeys the
+    settings mpedu makes. Its jobs run single-threaded, as on any virtual device: torch's thread
+    count is 1 during a job and restored after it (setting it costs well under a microsecond).
+    """
+
+    stream = None
+    alive = True
+
+    def __init__(self, device: Device):
+        if not device.virtual:
+            raise ValueError(f"only a virtual device runs on the calling thread, not {device}")
+        self.device = device
+
+    def submit(self, fn) -> Future:
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            future.set_result(fn())
+        except BaseException as exc:    # Ctrl-C included: the caller reads it from the future, as from a Worker
+            future.set_exception(exc)
+        finally:
+            torch.set_num_threads(threads)
+        return future
+
+    def stop(self, wait: bool = True) -> None:
+        pass
+
+    def join(self) -> None:
+        pass
 
 
 def wait_uninterrupted(futures) -> None:

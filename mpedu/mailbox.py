@@ -100,4 +100,4 @@ class Mailbox:
 
 
 SPIN_S = 100e-6
-SPIN_RECEIVE_S = 200e-6
+SPIN_RECEIVE_S = 5e-3        # near-empty 1F1B: 200 us parked often (~26 us/action), 5 ms rarely (~17)

@@ -11,7 +11,7 @@ import torch
 from . import capacity, dropout, footprint, schedules, streams
 from .footprint import Footprint, recomputes
 from .clock import Clock
-from .devices import Device, Worker, get_devices, stop_workers, usable_cores, wait_uninterrupted
+from .devices import CallerThread, Device, Worker, get_devices, own_cores, stop_workers, wait_uninterrupted
 from .link import Link
 from .mailbox import Aborted, Mailbox
 from .placement import Placement
@@ -111,15 +111,19 @@ class Pipeline:
         self.bucket_cache: dict[tuple[int, int], BucketPlan] = {}
         self.last_timeline: Timeline | None = None   # the latest train_step's, for the command line
         self._workers = []
+        # virtual devices with a core each: each worker pinned to its core, and polling for a hand-off
+        # (Mailbox) when it waits, since no one else needs that core
+        cores = own_cores(self.devices) if len(self.devices) > 1 else None
+        self._core_each = cores is not None
         try:
-            for dev in self.devices:
-                self._workers.append(Worker(dev))
+            # one virtual device runs on the caller's thread (see CallerThread: nothing to overlap)
+            lone = len(self.devices) == 1 and self.devices[0].virtual
+            for k, dev in enumerate(self.devices):
+                self._workers.append(CallerThread(dev) if lone else Worker(dev, core=cores and cores[k]))
         except BaseException:     # a GPU that cannot start: end the workers already started
             stop_workers(self._workers)
             raise
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
-        # virtual devices with a core each may poll for a hand-off (Mailbox): no one else needs the core
-        self._core_each = all(d.virtual for d in self.devices) and len(self.devices) <= len(usable_cores())
         self._carry_shape = None
         # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.dropout.
         # Each train_step uses dropout_step, then counts it up; train() sets both from its seed and

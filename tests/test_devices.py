@@ -7,8 +7,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import FUZZ
-from mpedu.devices import Worker, describe_devices, get_device, get_devices, list_devices, parse_size, virtual_count
+from conftest import FUZZ, make_batch, tiny_model
+from mpedu.devices import CallerThread, Device, Worker, describe_devices, get_device, get_devices, list_devices, parse_size, virtual_count
 
 
 def test_virtual_devices_are_listed_as_virtual():
@@ -45,6 +45,54 @@ def test_worker_runs_jobs_in_order_and_returns_errors():
     finally:
         worker.stop()
     assert not worker.alive
+
+
+def test_a_lone_virtual_device_runs_on_the_calling_thread_single_threaded():
+    """One device has nothing to overlap: its jobs run on the caller's thread (its malloc settings hold there),
+    with torch on one thread during a job and the caller's count back afterwards; errors, Ctrl-C too, come back
+    through the future, as from a Worker."""
+    lone = CallerThread(get_device("vgpu:0"))
+    torch.set_num_threads(2)
+    try:
+        assert lone.submit(lambda: (threading.current_thread(), torch.get_num_threads())).result() == \
+            (threading.current_thread(), 1)
+        assert torch.get_num_threads() == 2
+        for error in (ZeroDivisionError, KeyboardInterrupt):
+            def fail():
+                raise error
+            with pytest.raises(error):
+                lone.submit(fail).result()
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    with pytest.raises(ValueError, match="only a virtual device"):
+        CallerThread(Device("cuda:0", False))
+
+
+def test_a_one_device_pipeline_steps_on_the_calling_thread():
+    from mpedu.pipeline import Pipeline
+    model = tiny_model(num_layers=2)
+    seen = []
+    with Pipeline(model, "embed,lstm0,lstm1,decode:vgpu0", "gpipe", 2) as pipe:
+        original = pipe.stages[0].forward
+        pipe.stages[0].forward = lambda *a, **k: (seen.append(threading.current_thread()), original(*a, **k))[1]
+        pipe.train_step(make_batch())
+    assert seen == [threading.current_thread()] * 2
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs an OS that pins threads and two cores")
+def test_a_pipelines_workers_are_pinned_one_per_core_when_there_are_cores_enough():
+    from mpedu.pipeline import Pipeline
+    cores = sorted(os.sched_getaffinity(0))
+    model = tiny_model(num_layers=2)
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "1f1b", 2) as pipe:
+        pinned = [w.submit(lambda: os.sched_getaffinity(0)).result() for w in pipe._workers]
+    assert pinned == [{cores[0]}, {cores[1]}]
+    assert os.sched_getaffinity(0) == set(cores)           # the caller's thread stays free
+    many = len(cores) + 1                                   # more devices than cores: left to the scheduler
+    with Pipeline(tiny_model(num_layers=many), many, "gpipe", 2) as pipe:
+        assert all(w.submit(lambda: os.sched_getaffinity(0)).result() == set(cores) for w in pipe._workers)
 
 
 def test_two_virtual_devices_compute_at_the_same_time():
@@ -99,10 +147,10 @@ def test_a_pipeline_whose_second_device_cannot_start_ends_the_first(monkeypatch)
     from conftest import tiny_model
     made = []
 
-    def worker(device):
+    def worker(device, core=None):
         if device.name == "vgpu:1":
             raise RuntimeError(f"could not start the worker of {device}: injected")
-        made.append(Worker(device))
+        made.append(Worker(device, core=core))
         return made[-1]
 
     monkeypatch.setattr(pipeline, "Worker", worker)
