@@ -289,8 +289,9 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
             b, w = (t4 - t3 if leaves else 0.0), (t5 - t4 if weights else 0.0)
             for key, value in (("F", t1 - t0), ("BW", t2 - t1), ("B", b), ("W", w), ("F0", t6 - t5)):
                 times[key][k].append(value)
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
+        # The weights' .grad is kept from round to round: a step's backwards add into it (all but the first
+        # micro-batch's, which finds none after zero_grad), and that addition reads and writes every weight
+        # once more: about a quarter of a small micro-batch's backward (bench/fidelity.py's time chunks).
     med = {key: [statistics.median(v) for v in per] for key, per in times.items()}
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     return (med["F"], med["BW"], med["B"], med["W"], [sum(s.values()) for s in saved], output_bytes,

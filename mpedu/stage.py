@@ -67,6 +67,7 @@ class Stage:
         self.carry, self.chunks = True, 1       # the step's: keep the final state for the next? time chunks
         self.state_grad: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self.nll: dict[tuple[int, int], torch.Tensor] = {}   # last stage: summed NLL per (mb, chunk)
+        self._saved_bytes: dict[tuple, int] = {}   # what a kind of forward keeps for backward (see forward)
 
     def __repr__(self) -> str:
         return f"Stage({self.index}, {','.join(self.names)} on {self.device})"
@@ -113,12 +114,24 @@ class Stage:
             self.saved[mb, chunk] = _Saved(x if x.is_floating_point() else None, out, saved_bytes=kept,
                                            replay=(x, before, targets, scale, where))
             return out
-        storages: dict[int, int] = {}
-        pack = self._counting_hook(storages, x, targets)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dropout.at(where):
-            out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
+        # What autograd keeps depends only on the shapes, on whether a state comes in (and wants a gradient)
+        # and on which weights train: counted once per such kind of forward, by saved-tensor hooks, whose
+        # Python calls (one per saved tensor, in the backward too, each taking the interpreter lock
+        # from the other devices) cost a small stage's action 5-15% (bench/fidelity.py's time chunks).
+        kind = (x.shape, None if targets is None else targets.shape, chunk > 0, bool(self.state.get(mb)),
+                tuple(p.requires_grad for p in self._all_params))
+        saved_bytes = self._saved_bytes.get(kind)
+        if saved_bytes is None:
+            storages: dict[int, int] = {}
+            pack = self._counting_hook(storages, x, targets)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dropout.at(where):
+                out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
+            saved_bytes = self._saved_bytes[kind] = sum(storages.values())
+        else:
+            with dropout.at(where):
+                out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
         self.saved[mb, chunk] = _Saved(x if x.requires_grad else None, out, state_in, state_out,
-                                       saved_bytes=sum(storages.values()))
+                                       saved_bytes=saved_bytes)
         return out
 
     def recompute_forward(self, mb: int, chunk: int) -> int:

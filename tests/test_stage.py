@@ -52,3 +52,29 @@ def test_time_chunks_pass_state_forward_and_its_gradient_backward(chunks):
         s0.backward(0, c, s1.backward(0, c, None))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-7)
+
+
+def test_what_a_forward_keeps_is_counted_once_per_kind_and_anew_when_a_layer_freezes(monkeypatch):
+    """The saved-tensor hooks run on the first forward of each kind (shapes, state, trainable weights) only:
+    their Python calls cost small stages' backwards dearly. A later forward of that kind holds the same bytes."""
+    model, batch = tiny_model(num_layers=2), make_batch()
+    s0, s1 = two_stages(model)
+    hooked = []
+    real = torch.autograd.graph.saved_tensors_hooks
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", lambda *a: hooked.append(1) or real(*a))
+
+    def step():
+        s0.reset(), s1.reset()                              # a new step: no state carried in
+        s1.forward(0, 0, s0.forward(0, 0, batch.inputs).detach(), batch.targets)
+        held = s0.saved_bytes(0), s1.saved_bytes(0)
+        s1.backward(0, 0, None)
+        s0.saved.clear()
+        return held
+
+    first = step()
+    assert len(hooked) == 2 and min(first) > 0
+    assert step() == first and len(hooked) == 2            # counted already: no hooks
+    model.layers["decode"].requires_grad_(False)            # another kind of forward: counted anew
+    frozen = step()
+    assert len(hooked) == 3 and frozen[0] == first[0] and frozen[1] <= first[1]
+    assert step() == frozen and len(hooked) == 3
