@@ -2,7 +2,7 @@
 the fastest plan, and its top candidates run for real (targets on a quiet 2-core machine, 2 devices:
 Kendall tau >= 0.8, worst error <= 10%, planning under 1 s).
 
-    python bench/planner.py [--steps 9] [--top 5]
+    python bench/planner.py [--steps 15] [--top 5]
 
 One profile (a CostCurve: every micro-batch width the search tries, and the time-chunk lengths the
 wavefront schedule runs) serves both device counts. The cap is the geometric middle of the uncapped
@@ -17,7 +17,8 @@ the layers are profiled again, and the measured plans predicted again from the m
 so far and the mean of the cores measured before and after. `kendall_tau` and `worst_error` are those;
 the plan-time profile's are kept beside them (`..._plan_profile`). The top plans can lie within a few
 percent of each other, where a ranking is noise: plans spread along the front (Plans.spread) are
-measured and ranked too (`kendall_tau_spread`).
+measured and ranked too (`kendall_tau_spread`), and the top plans' tau is also given over the pairs the
+rounds tell apart (one plan faster in at least 80% of the rounds: `kendall_tau_told_apart`).
 Last, an epoch of mixed buckets (T = 5, 10, 20) is predicted with one plan per bucket length
 (plan_buckets) against the longest bucket's plan for all (predictions only).
 """
@@ -40,7 +41,7 @@ from mpedu.model import LSTMLM  # noqa: E402
 from mpedu.cores import measure_cores  # noqa: E402
 from mpedu.costcurve import CostCurve, profile_curve  # noqa: E402
 from mpedu.planner import plan, plan_buckets, predict  # noqa: E402
-from mpedu.ranking import kendall_tau  # noqa: E402
+from mpedu.ranking import kendall_tau, tau_apart  # noqa: E402
 from mpedu.simulate import predict_epoch  # noqa: E402
 
 VOCAB, T, B = 10_000, 20, 16          # smaller than the how-to's batch: a step here takes ~0.2 s on 2 cores
@@ -49,7 +50,7 @@ DEVICES = (2, 4)
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=9, help="measured steps per candidate (median)")
+    parser.add_argument("--steps", type=int, default=15, help="measured steps per candidate (median)")
     parser.add_argument("--top", type=int, default=5, help="candidates to run for real")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
@@ -94,13 +95,15 @@ def main(argv=None):
         again = [predict(c, steady, T, B, cores=both) for c in measured_plans(capped, measured)]
         rows = [dict(r, predicted_s=t, error=t / r["measured_s"] - 1) for r, t in zip(measured.rows, again)]
         tau = kendall_tau(again, [r["measured_s"] for r in rows])
+        tau_told, apart, pairs = tau_apart(again, [r["steps_s"] for r in rows])
         worst = max(abs(r["error"]) for r in rows)
         # the top 5 may lie within a few percent of each other: rank 5 plans spread along the front too
         spread = capped.measure(model, batch, candidates=capped.spread(args.top), steps=args.steps, rounds=quiet)
         print("plans spread along the front that fits:\n" + spread.table())
         print(f"predicted again from the median of {len(curves)} profiles and {both:.2f} cores (before "
               f"{cores:.2f}, after {after:.2f}): " + ", ".join(f"{r['error']:+.1%}" for r in rows)
-              + f"; Kendall tau {tau:+.2f}, worst error {worst:.1%}")
+              + f"; Kendall tau {tau:+.2f} ({tau_told:+.2f} over the {apart} of {pairs} pairs the rounds tell "
+              f"apart), worst error {worst:.1%}")
         results[p] = {"devices": p, "cores": cores, "memory_cap": cap, "seconds_to_plan": statistics.median(times),
                       "searched": capped.searched, "simulated": len(capped.simulated),
                       "fastest_uncapped": {"plan": free.best.label, "placement": str(free.best.placement),
@@ -112,6 +115,7 @@ def main(argv=None):
                       "measured": measured.rows, "kendall_tau_plan_profile": measured.kendall_tau,
                       "worst_error_plan_profile": measured.worst_error, "cores_after": after,
                       "repredicted": rows, "kendall_tau": tau, "worst_error": worst,
+                      "kendall_tau_told_apart": tau_told, "pairs_told_apart": [apart, pairs],
                       "spread": spread.rows, "kendall_tau_spread": spread.kendall_tau,
                       "worst_error_spread": spread.worst_error}
     # Buckets: the same cap, one plan per bucket length against the 20-step bucket's plan for all (predicted).
@@ -129,7 +133,9 @@ def main(argv=None):
                "plans": {str(L): {"plan": c.label, "placement": str(c.placement), "step_s": c.step_s}
                          for L, c in per_bucket.items()}}
     two = results[2]
-    print(f"\n2 devices: Kendall tau {two['kendall_tau']:+.2f} (top {args.top}; {two['kendall_tau_spread']:+.2f} "
+    print(f"\n2 devices: Kendall tau {two['kendall_tau']:+.2f} (top {args.top}; {two['kendall_tau_told_apart']:+.2f} over "
+          f"the {two['pairs_told_apart'][0]} of {two['pairs_told_apart'][1]} pairs the rounds tell apart; "
+          f"{two['kendall_tau_spread']:+.2f} "
           f"for {args.top} plans spread along the front; target >= 0.8), worst error "
           f"{two['worst_error']:.1%} (target <= 10%), planning {two['seconds_to_plan'] * 1e3:.0f} ms (target < 1 s); "
           f"4 devices: tau {results[4]['kendall_tau']:+.2f}, worst error {results[4]['worst_error']:.1%}, "
@@ -138,6 +144,7 @@ def main(argv=None):
           + (f"{min(other):.2f}-{max(other):.2f} cores" if other else "(unknown)") + " during the rounds kept")
     finish("planner", {"benchmark": "planner", "model": "mxnet8", "vocab": VOCAB, "T": T, "B": B,
                        "profile_seconds": profile_s, "kendall_tau": two["kendall_tau"],
+                       "kendall_tau_told_apart": two["kendall_tau_told_apart"],
                        "worst_error": two["worst_error"], "seconds_to_plan": two["seconds_to_plan"],
                        "targets_met": two["kendall_tau"] >= 0.8 and two["worst_error"] <= 0.10
                        and two["seconds_to_plan"] < 1.0,

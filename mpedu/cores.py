@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import statistics
+import threading
 import time
 
 import torch
@@ -14,47 +15,94 @@ from .model import nll_sum
 def measure_cores(n: int = 2, repeats: int = 5, model=None, batch=None, steps: int = 4) -> float:
     """How many virtual devices' worth of work this machine does at once, now.
 
-    Times some work on one worker alone, then the same work on n workers together:
-    n x alone / together. About n on an idle machine with n cores (less when the
-    cores fight over memory bandwidth), nearer 1 when other work takes the cores.
-    The work is a copy of `model`'s forward and backward on `batch` (one
-    micro-batch: the pipeline's own work) or, without them, a 256-wide LSTM layer.
-    Each measurement runs `steps` forward-and-backward steps (long enough that timer
-    and thread start-up noise do not count); the result is the median of `repeats`.
-    Pass the result as simulate(..., cores=...).
+    Times each worker's work alone, then all n workers' together: n / (the workers' mean
+    slowdown together). About n on an idle machine with n cores (less when the cores fight
+    over memory bandwidth), nearer 1 when other work takes the cores. With `model` and
+    `batch` (one micro-batch), the work is the pipeline's own: worker k runs the forward and
+    backward of the k-th of n consecutive shares of the layers, as pipeline stages would, so
+    the workers stream different weights, as stages do (n copies of the whole model would
+    overstate how much they slow each other: measured 1.65 against 1.85 for `mxnet8`, whose
+    weights fill the shared cache). Without them, a 256-wide LSTM layer each. Each worker's
+    work runs `steps` forward-and-backward steps alone; together, every worker repeats its
+    work until the slowest has had that long, so all of them overlap throughout. The result
+    is the median of `repeats`. Pass it as simulate(..., cores=...).
     """
     if n < 2:
         raise ValueError(f"measure_cores needs n >= 2 workers to compare with one, got {n}")
-    if model is not None:
-        copies = [copy.deepcopy(model).train() for _ in range(n)]     # backward writes each copy's .grad
-        step = lambda m: nll_sum(m(batch.inputs)[0], batch.targets).backward()    # noqa: E731
-    else:
-        copies = [torch.nn.LSTM(256, 256) for _ in range(n)]
-        x = torch.randn(35, 8, 256)                                   # (T, b, H), like a micro-batch
-        step = lambda m: m(x)[0].sum().backward()                     # noqa: E731
+    jobs = _model_shares(model, batch, n) if model is not None else _lstm_layers(n)
     devices = [get_device(f"vgpu:{k}") for k in range(n)]
     cores = own_cores(devices)                  # pinned as a pipeline pins them
     workers = [Worker(d, core=cores and cores[k]) for k, d in enumerate(devices)]
 
-    def job(m):
+    def alone(step):
         def run():
             start = time.perf_counter()
             for _ in range(steps):
-                step(m)
-            return time.perf_counter() - start
+                step()
+            return (time.perf_counter() - start) / steps
         return run
+
+    def until(step, stop):
+        def run():
+            start, count = time.perf_counter(), 0
+            while True:
+                step()
+                count += 1
+                if stop.is_set():
+                    return (time.perf_counter() - start) / count
+        return run
+
+    def together(seconds):
+        stop = threading.Event()
+        futures = [w.submit(until(step, stop)) for w, step in zip(workers, jobs)]
+        time.sleep(seconds)
+        stop.set()
+        return [f.result() for f in futures]
 
     ratios = []
     try:
         # Warm every worker up, together: a worker's first steps fault in its own allocator arena,
         # which would count as "the cores are busy" in the first measurement.
-        for f in [w.submit(job(m)) for w, m in zip(workers, copies)]:
+        for f in [w.submit(alone(step)) for w, step in zip(workers, jobs)]:
             f.result()
         for _ in range(repeats):
-            alone = workers[0].submit(job(copies[0])).result()
-            together = max(f.result() for f in [w.submit(job(m)) for w, m in zip(workers, copies)])
-            ratios.append(min(n * alone / together, float(n)))
+            solo = [w.submit(alone(step)).result() for w, step in zip(workers, jobs)]
+            slower = [t / s for t, s in zip(together(max(solo) * steps), solo)]
+            ratios.append(min(n / statistics.mean(slower), float(n)))
     finally:
         for w in workers:
             w.stop()
     return statistics.median(ratios)
+
+
+def _lstm_layers(n: int):
+    """n copies of one job: a 256-wide LSTM layer's forward and backward on a (35, 8) micro-batch."""
+    x = torch.randn(35, 8, 256)                                       # (T, b, H), like a micro-batch
+    copies = [torch.nn.LSTM(256, 256) for _ in range(n)]
+    return [lambda m=m: m(x)[0].sum().backward() for m in copies]
+
+
+def _model_shares(model, batch, n: int):
+    """n jobs: job k runs forward and backward of the k-th of n consecutive shares of a copy of `model`'s layers
+    (as a stage would: its input detached, the last share ending in the loss). More workers than layers: the
+    shares repeat."""
+    names = model.layer_names
+    twin = copy.deepcopy(model).train()                 # backward writes the copy's .grad, never the model's
+    cuts = [round(k * len(names) / min(n, len(names))) for k in range(min(n, len(names)) + 1)]
+    shares = [names[a:b] for a, b in zip(cuts, cuts[1:])]
+    inputs, x = [], batch.inputs
+    with torch.no_grad():
+        for share in shares:
+            inputs.append(x)
+            for name in share:
+                x, _ = twin.layers[name](x)
+
+    def job(share, x0, last):
+        def step():
+            x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
+            for name in share:
+                x, _ = twin.layers[name](x)
+            (nll_sum(x, batch.targets) if last else x.sum()).backward()
+        return step
+    return [job(shares[k % len(shares)], inputs[k % len(shares)], k % len(shares) == len(shares) - 1)
+            for k in range(n)]

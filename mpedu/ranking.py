@@ -17,12 +17,20 @@ class Measurement:
     def worst_error(self) -> float:
         return max(abs(r["error"]) for r in self.rows)
 
+    @property
+    def kendall_tau_apart(self) -> tuple[float, int, int]:
+        """Kendall's tau over the pairs the measurement tells apart (see told_apart), with how many
+        pairs that is out of all: plans within the step-to-step noise of each other have no order to keep."""
+        return tau_apart([r["predicted_s"] for r in self.rows], [r["steps_s"] for r in self.rows])
+
     def table(self) -> str:
         lines = [f"{'plan':<40}{'predicted ms':>13}{'measured ms':>12}{'error':>8}"]
         for r in self.rows:
             lines.append(f"{r['label']:<40}{r['predicted_s'] * 1e3:>13.1f}{r['measured_s'] * 1e3:>12.1f}"
                          f"{r['error']:>+8.1%}")
-        lines.append(f"Kendall tau of the ranking {self.kendall_tau:+.2f}; worst error {self.worst_error:.1%}")
+        tau, apart, pairs = self.kendall_tau_apart
+        lines.append(f"Kendall tau of the ranking {self.kendall_tau:+.2f} ({tau:+.2f} over the {apart} of {pairs} "
+                     f"pairs the rounds tell apart); worst error {self.worst_error:.1%}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -90,3 +98,25 @@ def kendall_tau(a, b) -> float:
     n = concordant + discordant
     denominator = ((n + ties_a) * (n + ties_b)) ** 0.5
     return (concordant - discordant) / denominator if denominator else 0.0
+
+
+def told_apart(steps_a, steps_b, share: float = 0.8) -> bool:
+    """Whether rounds run in turn order two plans one way in at least `share` of the rounds (one faster
+    in 8 of 10, say): a difference the machine's step-to-step noise did not make."""
+    if len(steps_a) != len(steps_b) or not steps_a:
+        raise ValueError(f"told_apart needs one step time per round for both plans, got {len(steps_a)} and "
+                         f"{len(steps_b)}")
+    faster, slower = sum(a < b for a, b in zip(steps_a, steps_b)), sum(a > b for a, b in zip(steps_a, steps_b))
+    return max(faster, slower) >= share * len(steps_a)                 # a tied round orders neither way
+
+
+def tau_apart(predicted, steps, share: float = 0.8) -> tuple[float, int, int]:
+    """Kendall's tau between `predicted` times and the measured medians of `steps` (each plan's time per
+    round), over the pairs told_apart only; also how many pairs those are, and how many there are in all.
+    No pair told apart: tau 0."""
+    measured = [statistics.median(ts) for ts in steps]
+    pairs = list(itertools.combinations(range(len(predicted)), 2))
+    apart = [(i, j) for i, j in pairs if told_apart(steps[i], steps[j], share)]
+    agree = sum(((predicted[i] > predicted[j]) - (predicted[i] < predicted[j])) *
+                ((measured[i] > measured[j]) - (measured[i] < measured[j])) for i, j in apart)
+    return (agree / len(apart) if apart else 0.0), len(apart), len(pairs)

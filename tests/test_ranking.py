@@ -52,11 +52,30 @@ def test_measure_lets_the_caller_run_the_rounds_again(model):
 
 
 def test_a_measurement_reads_its_worst_error_and_needs_two_plans(model):
-    rows = [{"label": "gpipe m=2", "placement": "a", "predicted_s": 0.010, "measured_s": 0.008, "error": 0.25},
-            {"label": "1f1b m=4", "placement": "b", "predicted_s": 0.012, "measured_s": 0.015, "error": -0.2}]
+    rows = [{"label": "gpipe m=2", "placement": "a", "predicted_s": 0.010, "measured_s": 0.008, "error": 0.25,
+             "steps_s": [0.008, 0.009, 0.008]},
+            {"label": "1f1b m=4", "placement": "b", "predicted_s": 0.012, "measured_s": 0.015, "error": -0.2,
+             "steps_s": [0.015, 0.014, 0.016]}]
     result = Measurement(rows, kendall_tau([0.010, 0.012], [0.008, 0.015]))
-    assert result.kendall_tau == 1.0 and result.worst_error == 0.25
+    assert result.kendall_tau == 1.0 and result.worst_error == 0.25 and result.kendall_tau_apart == (1.0, 1, 1)
     assert "+25.0%" in str(result) and "worst error 25.0%" in str(result)
+    assert "(+1.00 over the 1 of 1 pairs the rounds tell apart)" in str(result)
     one = plan(model, make_batch(T=9, B=8), 2, costs=fake_costs(model.layer_names, 9, 4)).top(1)
     with pytest.raises(ValueError, match="a ranking needs two or more"):
         measure(one, model, make_batch(T=9, B=8))
+
+
+def test_the_ranking_is_also_judged_over_the_pairs_the_rounds_tell_apart():
+    from mpedu.ranking import tau_apart, told_apart
+    steady = [1.00, 1.01, 1.00, 1.02, 1.00]
+    assert told_apart(steady, [1.10, 1.12, 1.11, 1.10, 1.13])               # faster in every round
+    assert not told_apart(steady, [1.01, 0.99, 1.02, 1.01, 0.99])           # noise: 3 rounds of 5 one way
+    assert told_apart(steady, [1.01, 0.99, 1.02, 1.01, 0.99], share=0.6)
+    with pytest.raises(ValueError, match="one step time per round"):
+        told_apart(steady, steady[:3])
+    # a and b are told apart (b slower every round), c lies within a's noise: only (a, b) and (b, c) count
+    steps = [steady, [1.2, 1.21, 1.19, 1.2, 1.22], [1.01, 0.99, 1.02, 1.01, 0.99]]
+    assert tau_apart([0.9, 1.3, 1.0], steps) == (1.0, 2, 3)
+    assert tau_apart([0.9, 1.3, 0.8], steps) == (1.0, 2, 3)                 # a vs c misordered, but not told apart
+    assert tau_apart([1.4, 1.3, 1.0], steps) == (0.0, 2, 3)                 # (a, b) wrong, (b, c) right
+    assert tau_apart([1.0, 1.0], [steady, steady]) == (0.0, 0, 1)
