@@ -103,8 +103,8 @@ def main(argv=None):
 
     def one_round(r):
         loads.append(os.getloadavg()[0])
-        cores.append(measure_cores(len(DEVICES), repeats=1, model=model, batch=micro))
-        cores3.append(measure_cores(len(DEVICES3), repeats=1, model=model, batch=micro))
+        cores.append(measure_cores(len(DEVICES), repeats=3, model=model, batch=micro))
+        cores3.append(measure_cores(len(DEVICES3), repeats=3, model=model, batch=micro))
         profiles.append(_profiles(model, batch, warmup=1, repeats=1))
         for name, *_, which in cases:
             model.zero_grad()
