@@ -21,8 +21,8 @@ def measure_cores(n: int = 2, repeats: int = 5, model=None, batch=None, steps: i
     `batch` (one micro-batch), the work is the pipeline's own: worker k runs the forward and
     backward of the k-th of n consecutive shares of the layers, as pipeline stages would, so
     the workers stream different weights, as stages do (n copies of the whole model would
-    overstate how much they slow each other: measured 1.65 against 1.85 for `mxnet8`, whose
-    weights fill the shared cache). Without them, a 256-wide LSTM layer each. Each worker's
+    overstate how much they slow each other: `mxnet8`, whose weights fill the shared cache, read
+    1.65 that way and 1.72-1.79 this way, on micro-batches of one sentence). Without them, a 256-wide LSTM layer each. Each worker's
     work runs `steps` forward-and-backward steps alone; together, every worker repeats its
     work until the slowest has had that long, so all of them overlap throughout. The result
     is the median of `repeats`. Pass it as simulate(..., cores=...).
@@ -87,22 +87,23 @@ def _model_shares(model, batch, n: int):
     (as a stage would: its input detached, the last share ending in the loss). More workers than layers: the
     shares repeat."""
     names = model.layer_names
-    twin = copy.deepcopy(model).train()                 # backward writes the copy's .grad, never the model's
     cuts = [round(k * len(names) / min(n, len(names))) for k in range(min(n, len(names)) + 1)]
     shares = [names[a:b] for a, b in zip(cuts, cuts[1:])]
+    # a copy per round of shares: backward writes the copy's .grad (never the model's), one thread per copy
+    twins = [copy.deepcopy(model).train() for _ in range(-(-n // len(shares)))]
     inputs, x = [], batch.inputs
     with torch.no_grad():
         for share in shares:
             inputs.append(x)
             for name in share:
-                x, _ = twin.layers[name](x)
+                x, _ = twins[0].layers[name](x)
 
-    def job(share, x0, last):
+    def job(twin, share, x0, last):
         def step():
             x = x0.detach().requires_grad_(True) if x0.is_floating_point() else x0
             for name in share:
                 x, _ = twin.layers[name](x)
             (nll_sum(x, batch.targets) if last else x.sum()).backward()
         return step
-    return [job(shares[k % len(shares)], inputs[k % len(shares)], k % len(shares) == len(shares) - 1)
-            for k in range(n)]
+    return [job(twins[k // len(shares)], shares[k % len(shares)], inputs[k % len(shares)],
+                k % len(shares) == len(shares) - 1) for k in range(n)]
