@@ -114,12 +114,14 @@ class Stage:
             self.saved[mb, chunk] = _Saved(x if x.is_floating_point() else None, out, saved_bytes=kept,
                                            replay=(x, before, targets, scale, where))
             return out
-        # What autograd keeps depends only on the shapes, on whether a state comes in (and wants a gradient)
-        # and on which weights train: counted once per such kind of forward, by saved-tensor hooks, whose
-        # Python calls (one per saved tensor, in the backward too, each taking the interpreter lock
-        # from the other devices) cost a small stage's action 5-15% (bench/fidelity.py's time chunks).
+        # What autograd keeps depends only on the shapes, on whether a state comes in (and wants a gradient),
+        # on which weights train, on train/eval mode and on the dropout kind (positional, or torch's own outside
+        # a runner's step): counted once per such kind of forward, by saved-tensor hooks, whose Python calls
+        # (one per saved tensor, in the backward too, each taking the interpreter lock from the other
+        # devices) cost a small stage's action 5-15% (bench/fidelity.py's time chunks).
         kind = (x.shape, None if targets is None else targets.shape, chunk > 0, bool(self.state.get(mb)),
-                tuple(p.requires_grad for p in self._all_params))
+                tuple(p.requires_grad for p in self._all_params), tuple(m.training for m in self.layers),
+                where is None)
         saved_bytes = self._saved_bytes.get(kind)
         if saved_bytes is None:
             storages: dict[int, int] = {}
