@@ -21,18 +21,19 @@ def measure_cores(n: int = 2, repeats: int = 5, model=None, batch=None, steps: i
     `batch` (one micro-batch), the work is the pipeline's own: worker k runs the forward and
     backward of the k-th of n consecutive shares of the layers, as pipeline stages would, so
     the workers stream different weights, as stages do (n copies of the whole model would
-    overstate how much they slow each other: `mxnet8`, whose weights fill the shared cache, read
-    1.65 that way and 1.72-1.79 this way, on micro-batches of one sentence). Without them, a 256-wide LSTM layer each. Each worker's
-    work runs `steps` forward-and-backward steps alone; together, every worker repeats its
-    work until the slowest has had that long, so all of them overlap throughout. The result
-    is the median of `repeats`. Pass it as simulate(..., cores=...).
+    overstate how much they slow each other: `mxnet8`, whose weights fill the shared cache,
+    read 1.65 that way and 1.72-1.79 this way, on micro-batches of one sentence). Without
+    them, a 256-wide LSTM layer each. Each worker's work runs `steps` forward-and-backward
+    steps alone; together, every worker repeats its work until the slowest has had that long,
+    so all of them overlap throughout. The result is the median of `repeats`. Pass it as
+    simulate(..., cores=...).
     """
     if n < 2:
         raise ValueError(f"measure_cores needs n >= 2 workers to compare with one, got {n}")
     jobs = _model_shares(model, batch, n) if model is not None else _lstm_layers(n)
     devices = [get_device(f"vgpu:{k}") for k in range(n)]
     cores = own_cores(devices)                  # pinned as a pipeline pins them
-    workers = [Worker(d, core=cores and cores[k]) for k, d in enumerate(devices)]
+    workers = [Worker(d, core=cores[k] if cores else None) for k, d in enumerate(devices)]
 
     def alone(step):
         def run():

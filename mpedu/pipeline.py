@@ -119,7 +119,7 @@ class Pipeline:
             # one virtual device runs on the caller's thread (see CallerThread: nothing to overlap)
             lone = len(self.devices) == 1 and self.devices[0].virtual
             for k, dev in enumerate(self.devices):
-                self._workers.append(CallerThread(dev) if lone else Worker(dev, core=cores and cores[k]))
+                self._workers.append(CallerThread(dev) if lone else Worker(dev, core=cores[k] if cores else None))
         except BaseException:     # a GPU that cannot start: end the workers already started
             stop_workers(self._workers)
             raise

@@ -84,7 +84,7 @@ def kendall_tau(a, b) -> float:
         raise ValueError(f"kendall_tau needs two lists of one equal length >= 2, got {len(a)} and {len(b)}")
     concordant = discordant = ties_a = ties_b = 0
     for i, j in itertools.combinations(range(len(a)), 2):
-        x, y = (a[i] > a[j]) - (a[i] < a[j]), (b[i] > b[j]) - (b[i] < b[j])
+        x, y = _order(a, i, j), _order(b, i, j)
         if x == 0 and y == 0:
             continue
         if x == 0:
@@ -117,6 +117,10 @@ def tau_apart(predicted, steps, share: float = 0.8) -> tuple[float, int, int]:
     measured = [statistics.median(ts) for ts in steps]
     pairs = list(itertools.combinations(range(len(predicted)), 2))
     apart = [(i, j) for i, j in pairs if told_apart(steps[i], steps[j], share)]
-    agree = sum(((predicted[i] > predicted[j]) - (predicted[i] < predicted[j])) *
-                ((measured[i] > measured[j]) - (measured[i] < measured[j])) for i, j in apart)
+    agree = sum(_order(predicted, i, j) * _order(measured, i, j) for i, j in apart)
     return (agree / len(apart) if apart else 0.0), len(apart), len(pairs)
+
+
+def _order(values, i: int, j: int) -> int:
+    """+1 when values[i] > values[j], -1 when smaller, 0 when tied."""
+    return (values[i] > values[j]) - (values[i] < values[j])

@@ -1,6 +1,7 @@
 """Stage: a run of consecutive layers on one device; forward, backward (B) and weight-gradient (W) per micro-batch."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -122,18 +123,15 @@ class Stage:
         kind = (x.shape, None if targets is None else targets.shape, chunk > 0, bool(self.state.get(mb)),
                 tuple(p.requires_grad for p in self._all_params), tuple(m.training for m in self.layers),
                 where is None)
-        saved_bytes = self._saved_bytes.get(kind)
-        if saved_bytes is None:
-            storages: dict[int, int] = {}
-            pack = self._counting_hook(storages, x, targets)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dropout.at(where):
-                out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
-            saved_bytes = self._saved_bytes[kind] = sum(storages.values())
-        else:
-            with dropout.at(where):
-                out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
+        storages: dict[int, int] | None = None if kind in self._saved_bytes else {}
+        counting = (contextlib.nullcontext() if storages is None else
+                    torch.autograd.graph.saved_tensors_hooks(self._counting_hook(storages, x, targets), lambda t: t))
+        with counting, dropout.at(where):
+            out, state_in, state_out = self._run(mb, chunk, x, targets, scale, train=True)
+        if storages is not None:
+            self._saved_bytes[kind] = sum(storages.values())
         self.saved[mb, chunk] = _Saved(x if x.requires_grad else None, out, state_in, state_out,
-                                       saved_bytes=saved_bytes)
+                                       saved_bytes=self._saved_bytes[kind])
         return out
 
     def recompute_forward(self, mb: int, chunk: int) -> int:
