@@ -20,6 +20,14 @@ mpedu process one after the other (the order alternates, and so does the order o
 each); ratios are medians over those rounds of same-round pairs, never from the picking round.
 JSON: per setting `pipeline_vs_2core_limit` (best mpedu2 / plain2) and `one_device_vs_plain`
 (mpedu1 / plain1; `_one_arena` with one-arena), tokens/s, minor page faults per step.
+
+Why the pipeline stops short, measured alongside: `work_ceiling_vs_2core_limit` is the best
+pipeline's own compute (its devices' F, B and W boxes) spread perfectly over both devices with
+no bubble, against plain2: what no cut or schedule of these layers beats while each stage does
+that work. `lstm_us_per_token_step` times one LSTM layer at the shapes a pipeline cuts the batch
+into: narrower micro-batches read the recurrent weights (2.56 MB, more than a core's L2 here)
+once per time step for fewer sequences, and every time chunk is one more call; intra-op threads
+instead split each weight matrix between the cores.
 """
 from __future__ import annotations
 
@@ -88,6 +96,23 @@ def run_plain(steps: int, order: str) -> dict:
     return out
 
 
+def run_grain(steps: int) -> dict:
+    """One LSTM layer of the model (400 -> 400), forward and backward, microseconds per token and time step,
+    at the shapes a pipeline cuts the batch into (micro-batches b < 64, time chunks T < 35), single-threaded, and
+    at the whole batch with 2 intra-op threads. What a pipeline's finer work costs here, apart from its schedule."""
+    import torch
+    from torch import nn
+    torch.manual_seed(0)
+    lstm = nn.LSTM(400, 400)
+    out = {}
+    for threads, (t, b) in ((1, (T, B)), (1, (T, 16)), (1, (T, 8)), (1, (5, B)), (2, (T, B))):
+        torch.set_num_threads(threads)
+        x = torch.randn(t, b, 400, requires_grad=True)
+        per = timed(lambda: lstm(x)[0].sum().backward(), steps * 3)["tokens_per_s"] / (T * B)   # steps per second
+        out[f"T={t} b={b}, {threads} thread{'s' if threads > 1 else ''}"] = 1e6 / (per * t * b)
+    return out
+
+
 def mpedu_model():
     import torch
     from mpedu.bucketing import Batch
@@ -130,7 +155,14 @@ def run_mpedu(steps: int, order: str, runs: dict) -> dict:
     for name in (list(runs) if order == "forward" else list(runs)[::-1]):
         placement, schedule, m, chunks = runs[name]
         with Pipeline(model, placement, schedule, m, chunks) as pipe:
-            out[name] = timed(lambda: (model.zero_grad(), pipe.train_step(batch)), steps)
+            busy = []                     # per step, each device's compute in ms (the timeline's F, B, W)
+
+            def step():
+                model.zero_grad()
+                tl = pipe.train_step(batch).timeline
+                busy.append([tl.busy(d) * 1e3 for d in tl.devices])
+            out[name] = timed(step, steps)
+            out[name]["busy_ms"] = [statistics.median(b[d] for b in busy[-steps:]) for d in range(len(busy[0]))]
     out["allocator"] = allocator.state()          # after the workers started: names any it could not reach
     return out
 
@@ -207,6 +239,12 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
            "one_device_vs_plain_one_arena": ratio("mpedu1 one-arena", "plain1"),
            "pipeline_vs_2core_limit": ratio(best, "plain2"),
            "two_core_limit_vs_plain": ratio("plain2", "plain1"), "pipeline_vs_one_device": ratio(best, "mpedu1")}
+    # The best pipeline's own work, spread perfectly over the two devices with no bubble and no wait: what no
+    # schedule or cut of these layers can beat, since each stage still computes what it computed here.
+    ceiling = lambda r: T * B / (sum(r[best]["busy_ms"]) / 2e3) / r["plain2"]["tokens_per_s"]  # noqa: E731
+    out["busy_ms"] = [statistics.median(r[best]["busy_ms"][d] for r in measured) for d in range(2)]
+    out["work_ceiling_vs_2core_limit"] = statistics.median(ceiling(r) for r in measured)
+    out["lstm_us_per_token_step"] = child("grain", setting, steps)
     print(f"\n{setting} malloc (mpedu: {out['allocator_in_mpedu']})")
     print("  picking round, two virtual devices (tokens/s): " + "; ".join(
         f"{n[7:]} {picking[n]['tokens_per_s']:.0f}" for n in runs))
@@ -217,6 +255,12 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
           f"{out['one_device_vs_plain_one_arena']:.3f}); best pipeline vs 2-core limit "
           f"{out['pipeline_vs_2core_limit']:.3f}; 2 threads vs 1: {out['two_core_limit_vs_plain']:.2f}x; "
           f"pipeline vs one device {out['pipeline_vs_one_device']:.2f}x")
+    print(f"  the best pipeline's devices computed {out['busy_ms'][0]:.0f} + {out['busy_ms'][1]:.0f} ms a step: even "
+          f"shared perfectly with no bubble, {out['work_ceiling_vs_2core_limit']:.3f} x the 2-core limit")
+    grain = out["lstm_us_per_token_step"]
+    whole = grain[f"T={T} b={B}, 1 thread"]
+    print("  one LSTM layer (400), forward + backward, us per token and time step: " + "; ".join(
+        f"{k} {v:.1f} ({v / whole:.2f}x)" for k, v in grain.items()))
     return out
 
 
@@ -224,12 +268,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--child", choices=("plain", "mpedu", "candidates", "alloc"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("plain", "mpedu", "candidates", "alloc", "grain"), help=argparse.SUPPRESS)
     parser.add_argument("--order", default="forward", help=argparse.SUPPRESS)
     parser.add_argument("--runs", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         parts = {"plain": lambda: run_plain(args.steps, args.order), "candidates": lambda: run_candidates(args.steps),
+                 "grain": lambda: run_grain(args.steps),
                  "mpedu": lambda: run_mpedu(args.steps, args.order, json.loads(args.runs)),
                  "alloc": lambda: run_alloc(args.steps)}
         print(json.dumps(parts[args.child]()))
