@@ -7,6 +7,7 @@ import errno
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -142,14 +143,30 @@ class OutLock:
     flock, so the kernel drops it when the holder dies (even by kill -9): a later run then
     finds the holder's pid in the file but gets the lock, and says it took it over. The file
     holds the holder's pid, start time and command, so a refused run can name it.
+    Re-entrant in the thread that holds it (the command line locks --out, then its train() does
+    too); any other thread or process is refused.
     """
+
+    _held: dict = {}                 # lock file -> (thread holding it, how many times)
+    _guard = threading.Lock()
 
     def __init__(self, out, log=print):
         self.path, self.log, self.fd = Path(out) / LOCK_NAME, log, None
+        self._key = os.path.realpath(self.path)
 
     def __enter__(self) -> "OutLock":
         if fcntl is None:        # pragma: no cover
             return self
+        with OutLock._guard:
+            thread, count = OutLock._held.get(self._key, (None, 0))
+            if thread == threading.get_ident():
+                OutLock._held[self._key] = (thread, count + 1)
+                return self
+            self._take()
+            OutLock._held[self._key] = (threading.get_ident(), 1)
+        return self
+
+    def _take(self) -> None:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as e:
@@ -174,9 +191,15 @@ class OutLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid={os.getpid()}\nstarted={started}\ncommand={command}\n".encode(), 0)
         self.fd = fd
-        return self
 
     def __exit__(self, *exc) -> None:
+        if fcntl is None:        # pragma: no cover
+            return
+        with OutLock._guard:
+            thread, count = OutLock._held.pop(self._key, (None, 1))
+            if count > 1:                        # an inner hold of the same thread: the outer one keeps it
+                OutLock._held[self._key] = (thread, count - 1)
+                return
         if self.fd is not None:
             with contextlib.suppress(OSError):
                 os.ftruncate(self.fd, 0)     # emptied, not removed: removing would race with a waiting run

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import random
 import time
@@ -12,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import remove_stale_temp, save_checkpoint, save_model
-from .files import WriteFailed, why
+from .files import OutLock, WriteFailed, prepare_out, why
 from .faults import NumericFault, all_finite, find_fault
 from .history import History, perplexity
 from .model import LSTMLM
@@ -103,6 +104,19 @@ def _shortest_time_steps(batches) -> int:
     return min(buckets[bisect.bisect_left(buckets, n - cap * ((n - 1) // cap))] for n in batches.lengths)
 
 
+def _holding_out(train_fn):
+    """train() with its `out` folder created if need be and locked for the whole run (mpedu.files.OutLock):
+    another run writing the same checkpoint.pt, in this process or another, is refused, naming the first."""
+    @functools.wraps(train_fn)
+    def locked(model, corpus, **kwargs):
+        if kwargs.get("out") is None:
+            return train_fn(model, corpus, **kwargs)
+        with OutLock(prepare_out(kwargs["out"]), log=kwargs.get("log", print)):
+            return train_fn(model, corpus, **kwargs)
+    return locked
+
+
+@_holding_out
 def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_size: int = BATCH_SIZE,
           lr: float | None = None, clip: float | None = CLIP, seed: int = 0, out=None, resume: bool = False,
           bptt: int | None = None, buckets=None, checkpoint_every: int = CHECKPOINT_EVERY,
@@ -114,7 +128,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     lr halves after an epoch whose validation perplexity improved by less than 1.0; or, with
       lr_decay=(k, f), is divided by f after every epoch from epoch k on (Zaremba et al.'s rule).
     out: folder for `checkpoint.pt` (every `checkpoint_every` batches and each epoch end)
-      and `model.pt` (final weights + config + vocabulary). resume=True continues from
+      and `model.pt` (final weights + config + vocabulary); created if missing, and locked
+      while this runs (a second run on it is refused, naming this one). resume=True continues from
       out/checkpoint.pt exactly, even mid-epoch (stream mode restarts the carried state);
       the lr then comes from the checkpoint, unless `lr` is given and differs from the lr the
       checkpoint's run was given (then `lr` wins, and the run says so). lr=None: LR (10), or

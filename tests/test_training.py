@@ -2,7 +2,9 @@
 import copy
 import importlib
 import math
+import os
 import re
+import threading
 
 import pytest
 import torch
@@ -206,3 +208,40 @@ def test_a_non_finite_loss_leaves_the_weights_and_says_so(corpus):
     result, stepped = step(runner, torch.optim.SGD(model.parameters(), lr=1.0), first_batch(corpus.train[:40]))
     assert not stepped and math.isnan(result.loss)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+
+def _in_another_thread(fn):
+    """fn() on another thread: what it returned, or the exception it raised."""
+    result = []
+
+    def run():
+        try:
+            result.append(fn())
+        except Exception as e:          # noqa: BLE001 - handed back to the test's thread
+            result.append(e)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def test_train_locks_its_out_folder_against_another_run(little, tmp_path, monkeypatch):
+    """Library train(out=...) creates the folder and holds its lock, as the command line does: another run
+    on the same checkpoint.pt (here on another thread of this process) is refused, naming the holder."""
+    from mpedu.files import LOCK_NAME, OutFolderError, OutLock
+    out = tmp_path / "new" / "run"
+    tried = []
+
+    def lock_attempt():
+        with OutLock(out):
+            return "taken"
+    # evaluate() runs inside train(), while it holds the lock: try the lock from another thread then
+    monkeypatch.setattr(training, "evaluate", lambda *a, **k: tried.append(_in_another_thread(lock_attempt)) or 100.0)
+    train(lm(little), little, epochs=1, batch_size=16, limit_batches=1, out=out, **quiet())
+    assert tried and all(isinstance(e, OutFolderError) and "in use by another mpedu run" in str(e) for e in tried)
+    assert (out / "checkpoint.pt").exists() and (out / LOCK_NAME).read_text() == ""    # released at the end
+    with OutLock(out):               # someone else holds it: train() refuses before training
+        refused = _in_another_thread(
+            lambda: train(lm(little), little, epochs=1, batch_size=16, limit_batches=1, out=out, **quiet()))
+    assert isinstance(refused, OutFolderError) and f"(pid {os.getpid()}" in str(refused)
