@@ -60,7 +60,7 @@ def _profiles(model, batch, warmup, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # 21: with 9 the medians still moved 2-3% from run to run (worst case 3.7-7.7% over 15 quiet runs, 5% met in 6);
-    # with 21 every case's median is steadier (worst 3.4-4.0% over 4 runs), at about 2 minutes
+    # with 21 every case's median is steadier (worst 3.4-5.5% over 11 runs, 5% met in 9), at about 2 minutes
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--retries", type=int, default=None,
                         help="rounds run again when other work came in the middle (default: --rounds)")
