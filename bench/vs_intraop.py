@@ -23,8 +23,8 @@ JSON: per setting `pipeline_vs_2core_limit` (best mpedu2 / plain2) and `one_devi
 
 Why the pipeline stops short, measured alongside: `work_ceiling_vs_2core_limit` is the best
 pipeline's own compute (its devices' F, B and W boxes) spread perfectly over both devices with
-no bubble, against plain2: what no cut or schedule of these layers beats while each stage does
-that work. `lstm_us_per_token_step` times one LSTM layer at the shapes a pipeline cuts the batch
+no bubble, against plain2: the most a perfect schedule could make of that work. (Coarser work,
+fewer micro-batches or chunks, costs less but leaves a larger bubble.) `lstm_us_per_token_step` times one LSTM layer at the shapes a pipeline cuts the batch
 into: narrower micro-batches read the recurrent weights (2.56 MB, more than a core's L2 here)
 once per time step for fewer sequences, and every time chunk is one more call; intra-op threads
 instead split each weight matrix between the cores.
@@ -239,8 +239,8 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
            "one_device_vs_plain_one_arena": ratio("mpedu1 one-arena", "plain1"),
            "pipeline_vs_2core_limit": ratio(best, "plain2"),
            "two_core_limit_vs_plain": ratio("plain2", "plain1"), "pipeline_vs_one_device": ratio(best, "mpedu1")}
-    # The best pipeline's own work, spread perfectly over the two devices with no bubble and no wait: what no
-    # schedule or cut of these layers can beat, since each stage still computes what it computed here.
+    # The best pipeline's own work, spread perfectly over the two devices with no bubble and no wait: the most
+    # a perfect schedule could make of it.
     ceiling = lambda r: T * B / (sum(r[best]["busy_ms"]) / 2e3) / r["plain2"]["tokens_per_s"]  # noqa: E731
     out["busy_ms"] = [statistics.median(r[best]["busy_ms"][d] for r in measured) for d in range(2)]
     out["work_ceiling_vs_2core_limit"] = statistics.median(ceiling(r) for r in measured)
