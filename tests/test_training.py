@@ -210,7 +210,6 @@ def test_a_non_finite_loss_leaves_the_weights_and_says_so(corpus):
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-
 def _in_another_thread(fn):
     """fn() on another thread: what it returned, or the exception it raised."""
     result = []
