@@ -9,8 +9,8 @@ dropout off on both sides so the work is the same) is trained four ways:
   mpedu1  mpedu on 1 virtual device (its worker thread, one core), with mpedu's default malloc
           settings and again with MPEDU_ALLOCATOR=one-arena
   mpedu2  mpedu on 2 virtual devices: 1F1B, zero bubble, wavefront (time chunks of the whole
-          batch) and interleaved 1F1B, each time-balanced (1F1B also with the cut moved one layer
-          either way); the fastest measured counts
+          batch) and interleaved 1F1B, each time-balanced (1F1B and zero bubble also with the cut
+          moved one layer either way); the fastest measured counts
 Each allocator setting runs in fresh processes: `default` (glibc as shipped) and `tuned`
 (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 in the environment). The plain runs
 never import mpedu, so mpedu's own malloc settings (mpedu/allocator.py) cannot help them;
@@ -24,8 +24,8 @@ JSON: per setting `pipeline_vs_2core_limit` (best mpedu2 / plain2) and `one_devi
 Why the pipeline stops short, measured alongside: `work_ceiling_vs_2core_limit` is the best
 pipeline's own compute (its devices' F, B and W boxes) spread perfectly over both devices with
 no bubble, against plain2: the most a perfect schedule could make of that work. (Coarser work,
-fewer micro-batches or chunks, costs less but leaves a larger bubble.) `lstm_us_per_token_step` times one LSTM layer at the shapes a pipeline cuts the batch
-into: narrower micro-batches read the recurrent weights (2.56 MB, more than a core's L2 here)
+fewer micro-batches or chunks, costs less but leaves a larger bubble.) `lstm_us_per_token_step`
+times one LSTM layer at the shapes a pipeline cuts the batch into: narrower micro-batches read the recurrent weights (2.56 MB, more than a core's L2 here)
 once per time step for fewer sequences, and every time chunk is one more call; intra-op threads
 instead split each weight matrix between the cores.
 """
@@ -45,9 +45,10 @@ VOCAB, T, B = 10_000, 35, 64
 TUNED = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 SETTINGS = ("default", "tuned")
 # (schedule, micro-batches, time chunks, stages): stages > 2 places them round-robin on the two devices.
-# 1F1B also runs with its cut moved one layer either way: the profile's balance is a prediction,
+# 1F1B and zero bubble also run with the cut moved one layer either way: the profile's balance is a prediction,
 # and "mpedu's best" here means the best measured.
-PIPELINES = (("1f1b", 4, 1, 2), ("1f1b", 8, 1, 2), ("zb1", 4, 1, 2), ("wavefront", 1, 7, 2), ("interleaved", 4, 1, 4))
+PIPELINES = (("1f1b", 4, 1, 2), ("1f1b", 8, 1, 2), ("zb1", 4, 1, 2), ("zb1", 8, 1, 2), ("wavefront", 1, 7, 2),
+             ("interleaved", 4, 1, 4))
 
 
 def batch_tensors():
@@ -135,7 +136,7 @@ def run_candidates(steps: int) -> dict:
             per_layer[m] = [f + b for f, b in zip(costs.forward, costs.backward)]
         devices = [f"vgpu:{k % 2}" for k in range(stages)]
         counts = balance(per_layer[m], stages, names=model.layer_names)
-        for shift in ((0, -1, 1) if schedule == "1f1b" else (0,)):
+        for shift in ((0, -1, 1) if schedule in ("1f1b", "zb1") else (0,)):
             moved = [counts[0] + shift, counts[1] - shift] if shift else counts
             if min(moved) < 1:
                 continue

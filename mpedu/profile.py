@@ -12,7 +12,7 @@ from . import dropout
 from .devices import Worker, get_device
 from .footprint import param_sizes
 from .model import nll_sum
-from .stage import count_saved
+from .stage import count_saved, is_recurrent
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,9 @@ class StageCost:
     backward is the fused backward (input and weight gradients in one pass, what
     a stage outside a zero-bubble schedule runs); backward_input (B) and
     backward_weight (W) are the two halves a zero-bubble schedule runs apart.
-    They need not add up to backward: on CPU an LSTM's backward kernel computes
-    both gradients whichever is asked for, so B and W each cost about a full backward.
+    They need not add up to backward: an LSTM's backward kernel computes both
+    gradients whichever is asked for, so measured apart B and W each cost about a full
+    backward; a stage's B therefore takes its recurrent layers' weights along (Costs.stages).
     """
 
     forward: float
@@ -79,6 +80,7 @@ class Costs:
     trainable_bytes: list[int] | None = None     # weights that get a gradient; None: all of param_bytes
     input_saved_bytes: list[int] | None = None   # bytes of its own input a layer saves; None: 0
     forward_nograd: list[float] | None = None    # forward under torch.no_grad (recomputation); None: forward
+    recurrent: list[bool] | None = None          # layers with a recurrent kernel (Stage); None: none known
 
     def __post_init__(self):
         self.micro_batch = tuple(self.micro_batch)
@@ -89,14 +91,19 @@ class Costs:
             self.forward_nograd = list(self.forward)
         if self.input_saved_bytes is None:
             self.input_saved_bytes = [0] * n
+        if self.recurrent is None:
+            self.recurrent = [False] * n
 
     def stages(self, placement) -> list[StageCost]:
         """One StageCost per stage of a Placement (or of a list of layer-name lists).
 
-        F and the fused backward add up over the stage's layers. B (input gradient)
-        is zero on a stage whose input is token ids (nothing to send back). W
-        re-walks the stage's graph from its output to reach every weight, so every
-        layer but the first runs its full backward again: W = W(first) + sum of the rest.
+        F and the fused backward add up over the stage's layers. Split (zero bubble), as a
+        Stage splits it: the layers up to the stage's last recurrent one get their weight
+        gradients in B (their backward kernels compute them anyway), so they cost B their
+        fused backward; the layers after them cost B their input gradient (none on a stage
+        whose input is token ids and that has no recurrent layer: nothing to send back).
+        W is left those later layers, and re-walks their graph from the stage's output to
+        reach every weight: W = W(first of them) + the full backward of the others.
         """
         groups = [names for _, names in placement.stages] if hasattr(placement, "stages") else placement
         index = {name: k for k, name in enumerate(self.names)}
@@ -109,11 +116,15 @@ class Costs:
             if ks != list(range(ks[0], ks[0] + len(ks))):
                 raise ValueError(f"stage {s} ({', '.join(names)}) is not a run of consecutive layers")
             first, rest = ks[0], ks[1:]
+            last = max((k for k in ks if self.recurrent[k]), default=first - 1)
+            early, late = [k for k in ks if k <= last], [k for k in ks if k > last]
             out.append(StageCost(
                 forward=sum(self.forward[k] for k in ks),
                 backward=sum(self.backward[k] for k in ks),
-                backward_input=0.0 if first == 0 else sum(self.backward_input[k] for k in ks),
-                backward_weight=self.backward_weight[first] + sum(self.backward[k] for k in rest),
+                backward_input=0.0 if first == 0 and not early else
+                sum(self.backward[k] for k in early) + sum(self.backward_input[k] for k in late),
+                backward_weight=(self.backward_weight[late[0]] + sum(self.backward[k] for k in late[1:])
+                                 if late else 0.0),
                 output_bytes=self.output_bytes[ks[-1]],
                 activation_bytes=sum(self.activation_bytes[k] for k in ks) - sum(self.shared_bytes[k] for k in rest),
                 param_bytes=sum(self.param_bytes[k] for k in ks),
@@ -189,6 +200,7 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     params, trainable = param_sizes(twin, model.layer_names)      # a tied weight once
     f, bw, b, w, act, out, _, shared, f0 = measured
     return Costs(model.layer_names, f, bw, b, w, act, out, params, shared, micro_batch=tuple(micro.inputs.shape),
+                 recurrent=[is_recurrent(twin.layers[name]) for name in model.layer_names],
                  device=dev.name, trainable_bytes=trainable, input_saved_bytes=input_saved, forward_nograd=f0)
 
 

@@ -50,6 +50,12 @@ def count_saved(storages: dict[int, int], skip: set[int]):
     return pack
 
 
+def is_recurrent(layer: torch.nn.Module) -> bool:
+    """Whether the layer runs a recurrent kernel (nn.LSTM, nn.GRU, nn.RNN), whose backward computes the
+    weight gradients whenever it runs, asked for or not (mkldnn on CPU; cuDNN recomputes the data part)."""
+    return any(isinstance(m, torch.nn.RNNBase) for m in layer.modules())
+
+
 class Stage:
     """Layers `names` of a model, run on `device`."""
 
@@ -62,6 +68,11 @@ class Stage:
         self.is_first = index == 0
         self.is_last = is_last
         self._all_params = [p for layer in layers for p in layer.parameters()]
+        # Split backward (zero bubble): the weights of the layers up to the last recurrent one get their
+        # gradients in B, not W. B runs those layers' backward kernels anyway, and a W would walk back through
+        # them again to reach the weights below: an LSTM stage's W would cost a second full backward.
+        last = max((k for k, layer in enumerate(layers) if is_recurrent(layer)), default=-1)
+        self._weights_in_b = {id(p) for layer in layers[:last + 1] for p in layer.parameters()}
         self._param_storages = {p.untyped_storage().data_ptr() for p in self._all_params}
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.state: dict[int, dict] = {}        # micro-batch -> per-layer (h, c) after its latest chunk
@@ -219,8 +230,9 @@ class Stage:
 
     # -- backward -------------------------------------------------------------------
     def backward(self, mb: int, chunk: int, grad_out: torch.Tensor | None, weights: bool = True):
-        """B: return d loss / d input (None on stage 0). With weights=False, leave the
-        weight gradient for a later `backward_weight` (zero-bubble W)."""
+        """B: return d loss / d input (None on stage 0). With weights=False, leave the weight
+        gradients for a later `backward_weight` (zero-bubble W), but those of the layers up to the
+        stage's last recurrent one, which this backward computes anyway."""
         saved = self.saved[mb, chunk]
         outputs, grads = [saved.output], [grad_out]   # grad None: the loss itself (d loss / d loss = 1)
         state_grads = self.state_grad.pop((mb, chunk), None)
@@ -244,19 +256,25 @@ class Stage:
             leaf_grads = [t.grad for t in leaves]
             del self.saved[mb, chunk]
         else:
-            leaf_grads = (torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
-                          if leaves else [])
+            early = [p for p in params if id(p) in self._weights_in_b]
+            if early:               # recurrent layers: their weights now, with the input gradient
+                torch.autograd.backward(outputs, grads, inputs=leaves + early, retain_graph=True)
+                leaf_grads = [t.grad for t in leaves]
+            else:
+                leaf_grads = (torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
+                              if leaves else [])
             saved.grads = [outputs, grads]
         if saved.state_in:                             # hand the state gradient to chunk - 1
             self.state_grad[mb, chunk - 1] = list(leaf_grads[-len(saved.state_in):])
         return leaf_grads[0] if saved.x is not None else None
 
     def backward_weight(self, mb: int, chunk: int) -> None:
-        """W: accumulate the weight gradients of a micro-batch whose B already ran."""
+        """W: accumulate the weight gradients of a micro-batch whose B already ran (those of the layers
+        after the stage's last recurrent one; the others came with B)."""
         saved = self.saved.pop((mb, chunk))
         if saved.grads is None:       # B found nothing to differentiate (frozen layers on token ids)
             return
         outputs, grads = saved.grads
-        params = self.params
+        params = [p for p in self.params if id(p) not in self._weights_in_b]    # the rest went in B
         if params and outputs[0].requires_grad:
             torch.autograd.backward(outputs, grads, inputs=params)

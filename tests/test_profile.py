@@ -81,6 +81,22 @@ def test_stage_costs_add_up_layers_and_round_trip():
         costs.stages([["lstm7"]])
 
 
+def test_a_split_stage_pays_its_recurrent_layers_backward_in_b_and_w_only_after_them():
+    """As a Stage splits it: B does the weights of the layers up to the last recurrent one (their kernel computes
+    them anyway), W the layers after it, re-walking only those."""
+    names = ["embed", "lstm0", "lstm1", "decode"]
+    forward, fused, b, w = [1.0, 2.0, 3.0, 4.0], [2.0, 4.0, 6.0, 8.0], [0.0, 3.0, 5.0, 6.0], [2.0, 3.5, 5.5, 4.0]
+    costs = Costs(names, forward, fused, b, w, [10, 100, 100, 50], [7, 8, 9, 0], [1, 2, 3, 4], [0, 5, 8, 8], (9, 2),
+                  recurrent=[False, True, True, False])
+    first, second = costs.stages([["embed", "lstm0"], ["lstm1", "decode"]])
+    assert (first.backward_input, first.backward_weight) == (2.0 + 4.0, 0.0)          # all in B, nothing left
+    assert (second.backward_input, second.backward_weight) == (6.0 + 6.0, 4.0)        # lstm1 whole + decode's dX; dW
+    alone = costs.stages([["embed"], ["lstm0", "lstm1"], ["decode"]])
+    assert [(c.backward_input, c.backward_weight) for c in alone] == [(0.0, 2.0), (10.0, 0.0), (6.0, 4.0)]
+    assert profile(tiny_model(num_layers=2), make_batch(), repeats=1, warmup=0).recurrent == [False, True, True,
+                                                                                                False]
+
+
 def test_stage_cost_defaults_are_the_textbook_unit():
     unit = StageCost(1.5)
     assert (unit.backward, unit.backward_input, unit.backward_weight) == (3.0, 1.5, 1.5)

@@ -4,7 +4,7 @@ import torch
 
 from conftest import make_batch, reference, tiny_model
 from mpedu.devices import get_device
-from mpedu.stage import Stage
+from mpedu.stage import Stage, is_recurrent
 
 
 def two_stages(model):
@@ -27,7 +27,11 @@ def test_forward_backward_through_two_stages_equals_autograd(split):
     grad = s1.backward(0, 0, None, weights=not split)
     assert grad.shape == act.shape
     if split:
-        assert all(p.grad is None for p in s1.params), "B must not touch weight gradients"
+        # B: the LSTM's weights (its backward kernel computes them anyway); W: the decoder's, after
+        lstm = [p for layer in s1.layers if is_recurrent(layer) for p in layer.parameters()]
+        decoder = [p for layer in s1.layers if not is_recurrent(layer) for p in layer.parameters()]
+        assert lstm and all(p.grad is not None for p in lstm), "B gives the recurrent layer's weights"
+        assert decoder and all(p.grad is None for p in decoder), "B leaves the decoder's weights to W"
         s1.backward_weight(0, 0)
     assert s0.backward(0, 0, grad) is None            # stage 0's input is token ids
     for name, p in model.named_parameters():
@@ -78,3 +82,26 @@ def test_what_a_forward_keeps_is_counted_once_per_kind_and_anew_when_a_layer_fre
     frozen = step()
     assert len(hooked) == 3 and frozen[0] == first[0] and frozen[1] <= first[1]
     assert step() == frozen and len(hooked) == 3
+
+
+def test_a_split_backward_leaves_w_nothing_to_do_on_a_stage_of_lstm_layers():
+    """zero bubble on recurrent layers: B computes their weight gradients (the kernel does anyway); W adds nothing,
+    and the gradients are those of the fused backward."""
+    model, batch = tiny_model(num_layers=2), make_batch()
+    dev = get_device("vgpu:0")
+    lstms = [model.layers["lstm0"], model.layers["lstm1"]]
+    x = model.layers["embed"](batch.inputs)[0].detach()
+    results = []
+    for split in (False, True):
+        model.zero_grad(set_to_none=True)
+        stage = Stage(1, ["lstm0", "lstm1"], lstms, dev, is_last=False)
+        out = stage.forward(0, 0, x)
+        grad_in = stage.backward(0, 0, torch.ones_like(out), weights=not split)
+        after_b = [p.grad.clone() for p in stage.params]
+        if split:
+            stage.backward_weight(0, 0)
+            assert all(torch.equal(p.grad, g) for p, g in zip(stage.params, after_b)), "W changed a weight gradient"
+            assert not stage.saved
+        results.append((grad_in, after_b))
+    (fused_in, fused_w), (split_in, split_w) = results
+    assert torch.equal(fused_in, split_in) and all(torch.equal(a, b) for a, b in zip(fused_w, split_w))
