@@ -25,9 +25,10 @@ Why the pipeline stops short, measured alongside: `work_ceiling_vs_2core_limit` 
 pipeline's own compute (its devices' F, B and W boxes) spread perfectly over both devices with
 no bubble, against plain2: the most a perfect schedule could make of that work. (Coarser work,
 fewer micro-batches or chunks, costs less but leaves a larger bubble.) `lstm_us_per_token_step`
-times one LSTM layer at the shapes a pipeline cuts the batch into: narrower micro-batches read the recurrent weights (2.56 MB, more than a core's L2 here)
-once per time step for fewer sequences, and every time chunk is one more call; intra-op threads
-instead split each weight matrix between the cores.
+times one LSTM layer at the shapes a pipeline cuts the batch into: narrower micro-batches read
+the recurrent weights (2.56 MB, more than a core's L2 here) once per time step for fewer
+sequences, and every time chunk is one more call; intra-op threads instead split each weight
+matrix between the cores.
 """
 from __future__ import annotations
 
