@@ -74,7 +74,8 @@ def timed(step, steps: int, warmup: int = 3) -> dict:
         step()
         times.append(time.perf_counter() - start)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
-    return {"tokens_per_s": T * B / statistics.median(times), "faults_per_step": faults}
+    step = statistics.median(times)
+    return {"tokens_per_s": T * B / step, "step_s": step, "faults_per_step": faults}
 
 
 def run_plain(steps: int, order: str) -> dict:
@@ -110,8 +111,8 @@ def run_grain(steps: int) -> dict:
     for threads, (t, b) in ((1, (T, B)), (1, (T, 16)), (1, (T, 8)), (1, (5, B)), (2, (T, B))):
         torch.set_num_threads(threads)
         x = torch.randn(t, b, 400, requires_grad=True)
-        per = timed(lambda: lstm(x)[0].sum().backward(), steps * 3)["tokens_per_s"] / (T * B)   # steps per second
-        out[f"T={t} b={b}, {threads} thread{'s' if threads > 1 else ''}"] = 1e6 / (per * t * b)
+        step = timed(lambda: lstm(x)[0].sum().backward(), steps * 3)["step_s"]
+        out[f"T={t} b={b}, {threads} thread{'s' if threads > 1 else ''}"] = 1e6 * step / (t * b)
     return out
 
 
