@@ -1,6 +1,6 @@
 """mpedu's in-process pipeline (2 virtual devices) vs torch.distributed.pipelining (2 gloo processes).
 
-    python bench/vs_torch_pipelining.py [--repeats 5] [--schedules gpipe,1f1b]
+    python bench/vs_torch_pipelining.py [--repeats 5] [--schedules gpipe,1f1b,zb1]
 
 Same model, same placement, schedule and micro-batches on both
 sides, one core per stage: mpedu's virtual devices are threads running torch
@@ -105,7 +105,7 @@ def with_torch(schedules: str, placement: str, repeats: int, runtime: str = "mpe
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--schedules", default="gpipe,1f1b", help="comma-separated (default: gpipe,1f1b)")
+    parser.add_argument("--schedules", default="gpipe,1f1b,zb1", help="comma-separated (default: gpipe,1f1b,zb1)")
     parser.add_argument("--placement", default=PLACEMENT, help=f"default: {PLACEMENT!r}")
     parser.add_argument("--runtime", choices=["mpedu", "torch"], default="mpedu",
                         help="torch side: mpedu's action lists in torch's runtime (default), or torch's own class")

@@ -11,7 +11,9 @@ and receives itself. So the bridge translates action by action:
                           torch I (BACKWARD_INPUT) on a stage whose backward is split (zero bubble)
     mpedu W            -> torch W (BACKWARD_WEIGHT)
 
-and device d becomes pipeline rank d. A schedule a learner writes by hand runs here as soon
+(PyTorch's split runs an LSTM's backward kernel in I and again in W, so a stage after the first that holds
+an LSTM runs its whole backward in I and its W does nothing: stages.whole_backward_in_b.)
+And device d becomes pipeline rank d. A schedule a learner writes by hand runs here as soon
 as `Schedule.validate()` accepts it. Refused, with the reason: time chunks (wavefront).
 Torch's runtime indexes work by (stage, micro-batch) and a stage passes one tensor per
 micro-batch; chunk c+1 of a micro-batch starts from the (h, c) state chunk c left behind,

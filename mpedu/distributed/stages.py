@@ -15,6 +15,7 @@ from torch.distributed import pipelining as pp
 
 from .. import dropout
 from ..model import Decode, Embed, LSTMLayer
+from ..stage import is_recurrent
 
 FAIL_ENV = "MPEDU_DIST_FAIL_RANK"   # tests: this rank raises in its first stage forward
 
@@ -73,15 +74,32 @@ def out_width(name: str, layer: nn.Module) -> int:
                     "Embed, LSTMLayer and Decode only, and needs it to build static receive buffers")
 
 
+def whole_backward_in_b(stage_index: int, module: nn.Module) -> bool:
+    """Whether a zero-bubble stage runs its whole backward in B, leaving W nothing: a stage after the first
+    that holds a recurrent layer. PyTorch's split reaches the weights in W by running the graph's nodes again
+    from the gradients B captured, and an LSTM is one node whose kernel computes input and weight gradients
+    together: split, it would run twice (zb1 measured 1.19x 1F1B's step, bench/vs_torch_pipelining.py).
+    The first stage needs no split: it sends no gradient, so PyTorch leaves its B empty and runs it all in W."""
+    return stage_index > 0 and is_recurrent(module)
+
+
+def _nothing_left():
+    """The W runner of a stage whose B ran the whole backward."""
+    return lambda: None
+
+
 class TimedStage(pp.PipelineStage):
     """A PipelineStage that records each F, B and W it runs, and each send it posts, in a Recorder.
 
     `position(mb)` gives the micro-batch's dropout Position (None: evaluation, no dropout), so
-    the masks are the slice of the one-process masks that these columns would draw.
+    the masks are the slice of the one-process masks that these columns would draw. A later stage
+    with an LSTM runs its whole backward in B (whole_backward_in_b).
     """
 
-    def __init__(self, *args, recorder, position=lambda mb: None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, submodule, stage_index, *args, recorder, position=lambda mb: None, **kwargs):
+        if whole_backward_in_b(stage_index, submodule):
+            kwargs.setdefault("dw_builder", _nothing_left)     # PyTorch: B runs the full backward, W the runner
+        super().__init__(submodule, stage_index, *args, **kwargs)
         self.recorder = recorder
         self.position = position
 
