@@ -24,6 +24,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from mpedu.model import LSTMLM, LMConfig  # noqa: E402
 from mpedu.pipeline import Pipeline  # noqa: E402
 from mpedu.placement import Placement  # noqa: E402
 from mpedu.cores import measure_cores  # noqa: E402
+from mpedu.devices import Worker, get_device, own_cores  # noqa: E402
 from mpedu.costcurve import CostCurve  # noqa: E402
 from mpedu.profile import Costs, profile  # noqa: E402
 from mpedu.simulate import Link, simulate  # noqa: E402
@@ -99,14 +101,16 @@ def main(argv=None):
     # Each round waits for a quiet moment and is run again if other processes took more than a tenth
     # of a core meanwhile (bench/quiet.py): the prediction is for cores this benchmark has to itself.
     profiles, measured = [first], {case[0]: [] for case in cases}
-    loads, cores, cores3 = [], [], []
+    loads, cores, cores3, speeds = [], [], [], []
+    probe = _CoreSpeeds()
     faults = {case[0]: [] for case in cases}         # minor page faults per step (fresh memory the kernel zeroes)
-    lists = [loads, cores, cores3, profiles] + list(measured.values()) + list(faults.values())
+    lists = [loads, cores, cores3, speeds, profiles] + list(measured.values()) + list(faults.values())
 
     def one_round(r):
         loads.append(os.getloadavg()[0])
         cores.append(measure_cores(len(DEVICES), repeats=3, model=model, batch=micro))
         cores3.append(measure_cores(len(DEVICES3), repeats=3, model=model, batch=micro))
+        speeds.append(probe.ratio())
         profiles.append(_profiles(model, batch, warmup=1, repeats=1))
         for name, *_, which in cases:
             model.zero_grad()
@@ -116,6 +120,7 @@ def main(argv=None):
         return lambda: [values.pop() for values in lists]
 
     other = quiet_rounds(one_round, args.rounds, retries=args.retries)
+    probe.close()
     costs = [Costs.median([run[k] for run in profiles]) for k in range(len(first))]
     curve = CostCurve([costs[0]], costs[1:])
     link = Link(statistics.median(Link.fit(tl).latency_s for tls in measured.values() for tl in tls))
@@ -159,6 +164,8 @@ def main(argv=None):
     worst = max(abs(r["error"]) for r in rows)
     own = [abs(r["error"]) for r in rows if r["core_per_device"]]
     worst_own = max(own) if own else float("nan")
+    print(f"vgpu:1's core against vgpu:0's (the same LSTM layer alone on each, per round; not given to the "
+          f"simulator): {min(speeds):.2f}-{max(speeds):.2f}x the speed, median {statistics.median(speeds):.2f}")
     if share < 1.5:
         print(f"note: the two workers ran only {share:.2f} cores' worth at once (other work on the machine); "
               "what they get swings within seconds, more than the profile can follow")
@@ -167,11 +174,41 @@ def main(argv=None):
           f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores; other processes used "
           f"{_cores_text(other)} cores during the rounds kept")
     finish("fidelity", {"benchmark": "fidelity", "micro_batches": M, "link_latency_s": link.latency_s, "cores": share,
-                        "cores_3_devices": share3, "rounds": args.rounds, "load_average": [min(loads), max(loads)],
+                        "cores_3_devices": share3, "core_speed_ratio": speeds, "rounds": args.rounds, "load_average": [min(loads), max(loads)],
                         "other_processes_cores": other,
                         "rows": rows, "worst_error": worst, "within_15_percent": worst <= 0.15,
                         "worst_error_core_per_device": worst_own, "within_5_percent_core_per_device": worst_own <= 0.05,
                         "machine": machine()})
+
+
+class _CoreSpeeds:
+    """How fast vgpu:1's core runs against vgpu:0's, now: one LSTM layer's forward and backward at the
+    micro-batch's shape, timed alone on each pinned worker in turn (0 1 1 0). On a shared host a core's speed
+    drifts with what its neighbours run; with a core per device, both cores count."""
+
+    def __init__(self):
+        devices = [get_device(d) for d in DEVICES]
+        cores = own_cores(devices)
+        self.workers = [Worker(d, core=cores[k] if cores else None) for k, d in enumerate(devices)]
+        self.lstm, self.x = torch.nn.LSTM(CONFIG.hidden_size, CONFIG.hidden_size), torch.randn(T, B // M, CONFIG.hidden_size)
+
+    def _seconds(self, k: int) -> float:
+        def run():
+            self.lstm(self.x)[0].sum().backward()                       # warm
+            start = time.perf_counter()
+            for _ in range(3):
+                self.lstm(self.x)[0].sum().backward()
+            return time.perf_counter() - start
+        return self.workers[k].submit(run).result()
+
+    def ratio(self) -> float:
+        """vgpu:1's speed / vgpu:0's (above 1: vgpu:1 runs faster)."""
+        t = [self._seconds(k) for k in (0, 1, 1, 0)]
+        return (t[0] + t[3]) / (t[1] + t[2])
+
+    def close(self):
+        for w in self.workers:
+            w.stop()
 
 
 def _minor_faults() -> int:
