@@ -12,9 +12,7 @@ are charged what a chunk-length profile costs (CostCurve.at(T, b, chunks)); the 
 the curve between its profiled lengths.
 Each virtual device is one worker thread; how many of them the CPU runs at full speed at once
 (about 1.8 of 2 on an idle 2-core machine, nearer 1 when other work takes the cores) is measured
-alongside and given to the simulator as `cores`. The profile runs on vgpu:0's core; each round also
-times one LSTM layer on each of the two cores in turn, and the median ratio is given to the simulator
-as vgpu:1's `speed` (a VM's two cores drift apart, here 0.8-1.4x within a minute at worst).
+alongside and given to the simulator as `cores`.
 Rounds interleave profiling, that measurement and every case, so load that drifts
 over minutes falls on all of them alike; each round waits for a quiet moment and runs again if
 other processes took more than a tenth of a core meanwhile (bench/quiet.py). A recomputing stage's
@@ -126,17 +124,14 @@ def main(argv=None):
     costs = [Costs.median([run[k] for run in profiles]) for k in range(len(first))]
     curve = CostCurve([costs[0]], costs[1:])
     link = Link(statistics.median(Link.fit(tl).latency_s for tls in measured.values() for tl in tls))
-    share, share3, core_speed = statistics.median(cores), statistics.median(cores3), statistics.median(speeds)
+    share, share3 = statistics.median(cores), statistics.median(cores3)
     rows = []
     for name, pname, _, options, which in cases:
         pipe, tls = pipes[name], sorted(measured[name], key=lambda tl: tl.makespan)
         tl = tls[len(tls) // 2]                      # the median step
         p = len(pipe.devices)
         length = data[which].inputs.shape[0]
-        # the profile ran on vgpu:0's core; on 2 devices vgpu:1 runs on the other core, at the speed measured
-        speed = {"vgpu:1": core_speed} if p == 2 else None
-        predicted = simulate(pipe, curve.at(length, B // M, pipe.chunks), link=link,
-                             cores=share if p == 2 else share3, speed=speed)
+        predicted = simulate(pipe, curve.at(length, B // M, pipe.chunks), link=link, cores=share if p == 2 else share3)
         busy_m = sum(tl.busy(d) for d in tl.devices)
         busy_p = sum(predicted.busy(d) for d in predicted.devices)
         rows.append({"case": name, "placement": pname, "layout": str(pipe.placement), "schedule": pipe.schedule.name,
@@ -169,9 +164,8 @@ def main(argv=None):
     worst = max(abs(r["error"]) for r in rows)
     own = [abs(r["error"]) for r in rows if r["core_per_device"]]
     worst_own = max(own) if own else float("nan")
-    print(f"vgpu:1's core against vgpu:0's (the same LSTM layer alone on each, per round; the median is given to "
-          f"the simulator as vgpu:1's speed on 2 devices): {min(speeds):.2f}-{max(speeds):.2f}x, "
-          f"median {statistics.median(speeds):.2f}")
+    print(f"vgpu:1's core against vgpu:0's (the same LSTM layer alone on each, per round; not given to the "
+          f"simulator): {min(speeds):.2f}-{max(speeds):.2f}x the speed, median {statistics.median(speeds):.2f}")
     if share < 1.5:
         print(f"note: the two workers ran only {share:.2f} cores' worth at once (other work on the machine); "
               "what they get swings within seconds, more than the profile can follow")

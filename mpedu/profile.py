@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from . import dropout
-from .devices import Worker, get_device, own_cores
+from .devices import Worker, get_device
 from .footprint import param_sizes
 from .model import nll_sum
 from .stage import count_saved, is_recurrent
@@ -181,9 +181,7 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     """Time and weigh every layer of `model` on one micro-batch of `batch`, on `device`.
 
     The layers run on the device's own worker (single-threaded on a virtual device,
-    like in a Pipeline, and pinned to the core a pipeline's first device gets: left
-    to the scheduler it lands on either core, and a VM's cores drift apart in speed),
-    each as a one-layer stage would: input detached at the
+    like in a Pipeline), each as a one-layer stage would: input detached at the
     boundary, the last layer including the loss. They are a copy of the model's, on
     the device: the caller's model stays where it is, with its gradients and mode (a
     live Pipeline keeps its layers on its GPUs).
@@ -194,8 +192,7 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     micro = batch.split(micro_batches)[0]
     twin = _copy_without_grads(model).to(dev.torch_device).train()
     layers = [twin.layers[name] for name in model.layer_names]
-    cores = own_cores([dev])
-    worker = Worker(dev, core=cores[0] if cores else None)
+    worker = Worker(dev)
     try:
         measured, input_saved = worker.submit(lambda: _measure(layers, micro, dev, warmup, repeats)).result()
     finally:
