@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, machine  # noqa: E402
+from common import finish, machine, median_time  # noqa: E402
 
 from mpedu.cores import measure_cores  # noqa: E402
 from mpedu.devices import Worker, get_device, own_cores  # noqa: E402
@@ -60,15 +60,7 @@ def main(argv=None):
     jobs = {(kind, w): _job(kind) for kind in kinds for w in (0, 1)}
 
     def timed(fn):
-        def run():
-            fn()                                                    # warm
-            seconds = []
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                fn()
-                seconds.append(time.perf_counter() - start)
-            return statistics.median(seconds)
-        return run
+        return lambda: median_time(fn, args.repeats, warmup=1)
 
     def looping(fn, stop):
         def run():
@@ -110,12 +102,12 @@ def main(argv=None):
               f"{statistics.median(bw) * 1e3:5.2f} ms ({statistics.median(bw) / statistics.median(warm[1]) - 1:+.1%})")
     print(f"its own cache: medians over {args.rounds} rounds, against the warm times")
     finish("layer_context", {"benchmark": "layer_context", "rounds": args.rounds, "repeats": args.repeats,
-                          "alone_ms": alone_ms,
-                          "slowdown": {f"{a} with {p}": slower[a, p] for a in kinds for p in kinds},
-                          "measure_cores_lstm": shared,
-                          "cache_ms": {where: {"forward": [t * 1e3 for t in f], "backward": [t * 1e3 for t in bw]}
-                                       for where, (f, bw) in cache.items()},
-                          "machine": machine()})
+                             "alone_ms": alone_ms,
+                             "slowdown": {f"{a} with {p}": slower[a, p] for a in kinds for p in kinds},
+                             "measure_cores_lstm": shared,
+                             "cache_ms": {where: {"forward": [t * 1e3 for t in f], "backward": [t * 1e3 for t in bw]}
+                                          for where, (f, bw) in cache.items()},
+                             "machine": machine()})
 
 
 def _cache_warmth(worker, rounds: int, repeats: int) -> dict[str, tuple[list[float], list[float]]]:
