@@ -47,6 +47,21 @@ def test_worker_runs_jobs_in_order_and_returns_errors():
     assert not worker.alive
 
 
+def test_a_worker_stays_single_threaded_when_another_thread_changes_the_count():
+    """torch sets a thread's count from the process-wide one when the thread first asks or runs in parallel.
+    A worker started before the caller sets 2 threads (or before a lone device's job restores them) must not
+    pick up that 2 at its first operation: two threads on its one pinned core ran its work 40% slower."""
+    worker = Worker(get_device("vgpu:0"))
+    torch.set_num_threads(2)
+    try:
+        assert worker.submit(torch.get_num_threads).result() == 1
+        x = torch.randn(256, 256)
+        assert worker.submit(lambda: (x @ x, torch.get_num_threads())[1]).result() == 1
+    finally:
+        torch.set_num_threads(1)
+        worker.stop()
+
+
 def test_a_lone_virtual_device_runs_on_the_calling_thread_single_threaded():
     """One device has nothing to overlap: its jobs run on the caller's thread (its malloc settings hold there),
     with torch on one thread during a job and the caller's count back afterwards; errors, Ctrl-C too, come back
