@@ -14,11 +14,11 @@ right after sending decides it:
                next operation)
   parked       releases, but the receiver has parked on its lock (no core to spare for polling)
 
-The receiver needs Python's interpreter lock to see the tensor and go on. A thread that wants the
-lock while another holds it sleeps in the kernel until woken, so a hand-off costs at least one
-wake-up of a sleeping thread on another core, however the receiver waits; and while the sender
-runs Python, the receiver waits for all of it. CPython 3.11 has no way around that lock for two
-threads of one process.
+The receiver needs Python's interpreter lock to see the tensor and go on: while the sender runs
+Python it waits for all of it (CPython 3.11 has no way around that lock for two threads of one
+process). A thread that asks for the lock while another holds it sleeps in the kernel until woken,
+tens of microseconds here; the polling receiver naps between looks (mailbox.POLL_NAP_S) so that it
+is rarely in that queue when the tensor comes.
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Devices: real or virtual, listed honestly; workers run jobs in order, single-threaded, concurrently."""
+import ctypes
 import os
+import sys
 import threading
 import time
 
@@ -8,7 +10,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from conftest import FUZZ, make_batch, tiny_model
-from mpedu.devices import CallerThread, Device, Worker, describe_devices, get_device, get_devices, list_devices, parse_size, virtual_count
+from mpedu.devices import PR_GET_TIMERSLACK, CallerThread, Device, Worker, describe_devices, get_device, get_devices, list_devices, parse_size, virtual_count
 
 
 def test_virtual_devices_are_listed_as_virtual():
@@ -60,6 +62,27 @@ def test_a_worker_stays_single_threaded_when_another_thread_changes_the_count():
     finally:
         torch.set_num_threads(1)
         worker.stop()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "sched_setaffinity"),
+                    reason="pinning and timer slack are Linux's")
+def test_a_pinned_worker_naps_on_time():
+    """A pinned worker polls for its hand-offs with 10 us naps (Mailbox): its timer slack is 1 ns, where Linux's
+    default (50 us, inherited from the thread that made it) would stretch each nap five-fold. Unpinned, the
+    default stays."""
+    zero = ctypes.c_ulong(0)
+
+    def slack():
+        return ctypes.CDLL(None).prctl(PR_GET_TIMERSLACK, zero, zero, zero, zero)
+
+    pinned = Worker(get_device("vgpu:0"), core=sorted(os.sched_getaffinity(0))[0])
+    loose = Worker(get_device("vgpu:1"))
+    try:
+        assert pinned.submit(slack).result() == 1
+        assert loose.submit(slack).result() == slack() > 1
+    finally:
+        pinned.stop()
+        loose.stop()
 
 
 def test_a_lone_virtual_device_runs_on_the_calling_thread_single_threaded():
