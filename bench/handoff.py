@@ -85,12 +85,12 @@ def main(argv=None):
     print(f"{'after the send, the sender':<28}{'p10':>7}{'median':>8}{'p90':>7}   round medians")
     result = {}
     for after in AFTER:
-        every = sorted(s * 1e6 for one in rounds[after] for s in one)
-        pick = lambda q: every[min(int(q * len(every)), len(every) - 1)]        # noqa: E731
+        every = [s * 1e6 for one in rounds[after] for s in one]
+        deciles = statistics.quantiles(every, n=10)
         medians = [statistics.median(one) * 1e6 for one in rounds[after]]
-        print(f"{after:<28}{pick(0.1):>7.0f}{statistics.median(every):>8.0f}{pick(0.9):>7.0f}   "
+        print(f"{after:<28}{deciles[0]:>7.0f}{statistics.median(every):>8.0f}{deciles[-1]:>7.0f}   "
               + ", ".join(f"{m:.0f}" for m in medians))
-        result[after] = {"p10_us": pick(0.1), "median_us": statistics.median(every), "p90_us": pick(0.9),
+        result[after] = {"p10_us": deciles[0], "median_us": statistics.median(every), "p90_us": deciles[-1],
                          "round_medians_us": medians}
     finish("handoff", {"benchmark": "handoff", "hand_offs": args.hand_offs, "rounds": args.rounds,
                        "us": result, "machine": machine()})
