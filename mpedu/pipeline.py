@@ -279,15 +279,16 @@ class Pipeline:
         here = device.torch_device
         stages, last = self.stages, len(self.stages) - 1
         homes = [stage.device.torch_device for stage in stages]
+        copies = [home != here for home in homes]    # a real copy to that stage (virtual devices share the host)
+        on_host = here.type == "cpu"                 # the micro-batches live on the host
         split = self.schedule.split_backward
 
         def send(tensor, kind, src: int, dst: int, a: Action, clock, marks):
             """Hand `tensor` from stage src to stage dst (always another device)."""
             start = clock.mark()
-            moved = tensor.detach()
-            ready = None
-            if homes[dst] != here:     # a real copy; virtual devices all use the CPU's memory: nothing to move
-                moved = moved.to(homes[dst], non_blocking=True)
+            moved, ready = tensor, None     # the receiver detaches it (Stage.forward); a gradient has no graph
+            if copies[dst]:            # a real copy; virtual devices all use the CPU's memory: nothing to move
+                moved = tensor.detach().to(homes[dst], non_blocking=True)
                 if moved.is_cuda or tensor.is_cuda:
                     # the copy is queued on the source GPU's current stream (this worker's), or on
                     # the target GPU's when the source is the CPU; mark its end there
@@ -319,14 +320,14 @@ class Pipeline:
                     stage = stages[a.stage]
                     if a.kind == "F":
                         # (t, b) slices of the batch, pinned on the host when the device is a GPU (the copy
-                        # does not block); the device checks skip a torch call per action on virtual devices
+                        # does not block); on a virtual device no torch call at all (see MicroBatches)
                         if a.stage == 0:
                             x = micro.inputs(a.mb, a.chunk)
-                            x = x if x.device == here else x.to(here, non_blocking=True)
+                            x = x if on_host else x.to(here, non_blocking=True)
                         else:
                             x = receive("act", a)
                         targets = micro.targets(a.mb, a.chunk) if a.stage == last else None
-                        if targets is not None and targets.device != here:
+                        if targets is not None and not on_host:
                             targets = targets.to(here, non_blocking=True)
                         # dropout draws at the slice's first batch column and time step
                         where = key and key.at(a.mb * plan.micro_batch, plan.chunk_bounds[a.chunk][0])

@@ -21,6 +21,8 @@ def test_micro_batches_a_gpu_reads_are_pinned_once_per_step(pin):
         # every slice is a view of one block per tensor (one pinned copy per step, not one per chunk)
         assert chunks[0][0].untyped_storage().data_ptr() == micro.inputs(0).untyped_storage().data_ptr()
         assert all(x.is_contiguous() for x, _ in chunks)     # a non-contiguous copy would be staged
+        # cut once per step: asking again makes no torch call (each lets go of the interpreter lock)
+        assert all(micro.inputs(i, c) is x and micro.targets(i, c) is y for c, (x, y) in enumerate(chunks))
         if torch.cuda.is_available():
             assert chunks[0][0].is_pinned() == pin and not chunks[0][1].is_pinned()
 
