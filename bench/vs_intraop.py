@@ -28,7 +28,12 @@ fewer micro-batches or chunks, costs less but leaves a larger bubble.) `lstm_us_
 times one LSTM layer at the shapes a pipeline cuts the batch into: narrower micro-batches read
 the recurrent weights (2.56 MB, more than a core's L2 here) once per time step for fewer
 sequences, and every time chunk is one more call; intra-op threads instead split each weight
-matrix between the cores.
+matrix between the cores. `two_stage_bound_vs_2core_limit` is, per micro-batch count m, the
+most any schedule of two stages could reach: one device's step with the batch cut into m
+micro-batches is the work at that grain, and the second stage cannot start before the first has
+run one micro-batch's forward (see two_stage_bound; nothing else is charged). Finer grain
+shortens that wait but adds work; where every m stays under 0.95, so must every pipeline.
+JSON also: `one_device_work_s`, that work per m.
 """
 from __future__ import annotations
 
@@ -114,6 +119,40 @@ def run_grain(steps: int) -> dict:
         step = timed(lambda: lstm(x)[0].sum().backward(), steps * 3)["step_s"]
         out[f"T={t} b={b}, {threads} thread{'s' if threads > 1 else ''}"] = 1e6 * step / (t * b)
     return out
+
+
+BOUND_MICRO_BATCHES = (1, 2, 4, 8)
+
+
+def run_bound(steps: int) -> dict:
+    """mpedu's one device with the batch cut into m micro-batches (GPipe on one device: the very work a
+    two-device pipeline does at that grain, with no hand-off): per m its compute per step and the share of it
+    that is forward (the timeline's boxes)."""
+    from mpedu.pipeline import Pipeline
+    model, batch = mpedu_model()
+    out = {}
+    for m in BOUND_MICRO_BATCHES:
+        with Pipeline(model, ",".join(model.layer_names) + ":vgpu0", "gpipe", m) as pipe:
+            work = []
+
+            def step():
+                model.zero_grad()
+                tl = pipe.train_step(batch).timeline
+                work.append((tl.busy(tl.devices[0]), sum(e.duration for e in tl.compute() if e.kind == "F")))
+            timed(step, steps)
+        busy, forward = (statistics.median(w[k] for w in work[-steps:]) for k in (0, 1))
+        out[str(m)] = {"work_s": busy, "forward_share": forward / busy}
+    return out
+
+
+def two_stage_bound(work_s: float, forward_share: float, m: int) -> float:
+    """The shortest step two stages can take with m equal micro-batches, from the work of one step at that grain:
+    the second stage can start only when the first has run one micro-batch's forward, so with a cut leaving the
+    first stage the share w of the work (its forward taken as forward_share of it), the step takes at least
+    max(w, forward_share * w / m + 1 - w) of the work; the best cut, w = 1 / (2 - forward_share / m), gives
+    work / (2 - forward_share / m). Nothing else is charged: no hand-off, no layer boundary, no drain at the end
+    (a zero-bubble schedule could fill it), no overhead: no schedule of two stages can beat it."""
+    return work_s / (2 - forward_share / m)
 
 
 def mpedu_model():
@@ -248,6 +287,13 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
     out["busy_ms"] = [statistics.median(r[best]["busy_ms"][d] for r in measured) for d in range(2)]
     out["work_ceiling_vs_2core_limit"] = statistics.median(ceiling(r) for r in measured)
     out["lstm_us_per_token_step"] = child("grain", setting, steps)
+    # The most any two-stage schedule could make of the work at each grain, against the 2-core limit measured
+    # in the same rounds (its median): finer grain, shorter wait for the second stage, but more work.
+    grains = child("bound", setting, steps)
+    plain2 = statistics.median(r["plain2"]["tokens_per_s"] for r in measured)
+    out["two_stage_bound_vs_2core_limit"] = {
+        m: T * B / two_stage_bound(g["work_s"], g["forward_share"], int(m)) / plain2 for m, g in grains.items()}
+    out["one_device_work_s"] = {m: g["work_s"] for m, g in grains.items()}
     print(f"\n{setting} malloc (mpedu: {out['allocator_in_mpedu']})")
     print("  picking round, two virtual devices (tokens/s): " + "; ".join(
         f"{n[7:]} {picking[n]['tokens_per_s']:.0f}" for n in runs))
@@ -260,6 +306,9 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
           f"pipeline vs one device {out['pipeline_vs_one_device']:.2f}x")
     print(f"  the best pipeline's devices computed {out['busy_ms'][0]:.0f} + {out['busy_ms'][1]:.0f} ms a step: even "
           f"shared perfectly with no bubble, {out['work_ceiling_vs_2core_limit']:.3f} x the 2-core limit")
+    print("  the most two stages could reach with m equal micro-batches (the second waits only for the first's "
+          "first forward; no overhead): " + "; ".join(
+              f"m={m} {v:.3f}" for m, v in out["two_stage_bound_vs_2core_limit"].items()))
     grain = out["lstm_us_per_token_step"]
     whole = grain[f"T={T} b={B}, 1 thread"]
     print("  one LSTM layer (400), forward + backward, us per token and time step: " + "; ".join(
@@ -271,13 +320,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--child", choices=("plain", "mpedu", "candidates", "alloc", "grain"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("plain", "mpedu", "candidates", "alloc", "grain", "bound"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--order", default="forward", help=argparse.SUPPRESS)
     parser.add_argument("--runs", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         parts = {"plain": lambda: run_plain(args.steps, args.order), "candidates": lambda: run_candidates(args.steps),
-                 "grain": lambda: run_grain(args.steps),
+                 "grain": lambda: run_grain(args.steps), "bound": lambda: run_bound(args.steps),
                  "mpedu": lambda: run_mpedu(args.steps, args.order, json.loads(args.runs)),
                  "alloc": lambda: run_alloc(args.steps)}
         print(json.dumps(parts[args.child]()))
