@@ -17,6 +17,13 @@ instead of ~17, its actions' own times swelling alike, while one device's run be
 does not change (cross-core traffic of two threads: hand-overs of the interpreter lock,
 reference counts of shared objects). Rounds in turn let one phase touch every schedule
 alike, and the median keeps it from being the headline; each round's figures are printed.
+Beside each round, the floor under the two-device figures (`floor_us_per_action`): the same
+layers in the same 1F1B order on two pinned workers, hand-rolled with nothing of mpedu's
+(no stages, mailbox keys, timeline, dropout positions; a hand-off is a dict polled with the
+Mailbox's naps), timed and replayed the same way. It is what two Python threads handing
+near-empty work back and forth cost on this machine at that moment, mostly hand-overs of the
+interpreter lock; in this VM's slow phases it rises from ~8-10 to ~18-20 us itself, and mpedu's
+figures with it. `over_floor_us_per_action` is mpedu's 1F1B minus the floor, round by round.
 A run with more virtual devices than cores is printed too, apart
 (`us_per_action_oversubscribed`): its gaps also hold the time its threads wait
 for a free core and for Python's interpreter lock, which grows with the threads
@@ -30,13 +37,16 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, random_batch  # noqa: E402
 
-from mpedu.devices import usable_cores  # noqa: E402
-from mpedu.model import LSTMLM, LMConfig  # noqa: E402
+from mpedu.devices import Worker, get_device, own_cores, stop_workers, usable_cores  # noqa: E402
+from mpedu.mailbox import POLL_NAP_S  # noqa: E402
+from mpedu.model import LSTMLM, LMConfig, nll_sum  # noqa: E402
 from mpedu.pipeline import Pipeline  # noqa: E402
-from mpedu.schedules import run_order  # noqa: E402
+from mpedu.schedules import one_f_one_b, run_order  # noqa: E402
 
 
 def overhead_per_action(pipe, batch, repeats: int) -> tuple[float, float, int]:
@@ -58,6 +68,60 @@ def overhead_per_action(pipe, batch, repeats: int) -> tuple[float, float, int]:
     return statistics.median(samples), statistics.median(walls), len(tl.compute())
 
 
+def floor_per_action(model, batch, m: int, repeats: int, workers) -> float:
+    """The floor: `model`'s layers as two stages (embed, lstm0 | lstm1, decode) in 1F1B order on `workers`,
+    each action only its layers' calls, each hand-off a dict entry the receiver polls for with the Mailbox's
+    naps. Median over steps of (wall time - ideal replay of its own action times) / actions per device."""
+    layers = model.layers
+    schedule = one_f_one_b([0, 1], m)
+    tokens, targets = (t.reshape(t.shape[0], m, -1).transpose(0, 1).unbind(0) for t in (batch.inputs, batch.targets))
+    weights = [[p for n in names for p in layers[n].parameters()] for names in (("embed", "lstm0"), ("lstm1", "decode"))]
+
+    def device_job(d, box, took):
+        def receive(key):
+            while key not in box:
+                time.sleep(POLL_NAP_S)
+            return box.pop(key)
+
+        def run():
+            kept = {}
+            for a in schedule.actions[d]:
+                start = time.perf_counter()
+                if a.kind == "F" and d == 0:
+                    kept[a.mb] = out = layers["lstm0"](layers["embed"](tokens[a.mb])[0])[0]
+                    took[d, a] = time.perf_counter() - start
+                    box["act", a.mb] = out
+                elif a.kind == "F":
+                    x = receive(("act", a.mb)).detach().requires_grad_(True)
+                    start = time.perf_counter()
+                    kept[a.mb] = (x, nll_sum(layers["decode"](layers["lstm1"](x)[0])[0], targets[a.mb]))
+                    took[d, a] = time.perf_counter() - start
+                elif d == 0:
+                    grad = receive(("grad", a.mb))
+                    start = time.perf_counter()
+                    torch.autograd.backward([kept.pop(a.mb)], [grad], inputs=weights[0])
+                    took[d, a] = time.perf_counter() - start
+                else:
+                    x, loss = kept.pop(a.mb)
+                    torch.autograd.backward([loss], inputs=[x] + weights[1])
+                    took[d, a] = time.perf_counter() - start
+                    box["grad", a.mb] = x.grad
+        return run
+
+    def step():
+        box, took = {}, {}
+        start = time.perf_counter()
+        for job in [w.submit(device_job(d, box, took)) for d, w in enumerate(workers)]:
+            job.result()
+        wall = time.perf_counter() - start
+        ideal = max(end for *_, end in run_order(schedule, cost=lambda d, a: took[d, a]))
+        return (wall - ideal) / len(schedule.actions[0])
+
+    for _ in range(3):
+        step()
+    return statistics.median(step() for _ in range(repeats))
+
+
 RUNS = [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("zb1", 2), ("gpipe", 4)]
 
 
@@ -73,13 +137,20 @@ def main(argv=None):
     cores = len(usable_cores())
     per_round = {}                        # name -> [us per action in each round]
     info = {}                             # name -> (actions, step wall times, more devices than cores)
-    for r in range(args.rounds):
-        for schedule, placement in (RUNS if r % 2 == 0 else RUNS[::-1]):
-            with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
-                per, wall, actions = overhead_per_action(pipe, batch, args.repeats)
-                name = f"{schedule}, {len(pipe.devices)} device(s)"
-                per_round.setdefault(name, []).append(per * 1e6)
-                info.setdefault(name, (actions, [], len(pipe.devices) > cores))[1].append(wall)
+    pinned = own_cores([get_device("vgpu:0"), get_device("vgpu:1")]) or [None, None]
+    floor_workers = [Worker(get_device(f"vgpu:{k}"), core=pinned[k]) for k in range(2)]   # pinned as mpedu's
+    floor = []
+    try:
+        for r in range(args.rounds):
+            for schedule, placement in (RUNS if r % 2 == 0 else RUNS[::-1]):
+                with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
+                    per, wall, actions = overhead_per_action(pipe, batch, args.repeats)
+                    name = f"{schedule}, {len(pipe.devices)} device(s)"
+                    per_round.setdefault(name, []).append(per * 1e6)
+                    info.setdefault(name, (actions, [], len(pipe.devices) > cores))[1].append(wall)
+            floor.append(floor_per_action(model, batch, m, args.repeats, floor_workers) * 1e6)
+    finally:
+        stop_workers(floor_workers)
     print(f"near-empty stages (width 1, T=1), m={m}; overhead = (step wall time - ideal replay) / actions per "
           f"device; median of {args.rounds} rounds in turn (each round's in brackets)")
     print(f"{'run':<24}{'actions':>9}{'step (ms)':>11}{'us/action':>11}")
@@ -88,10 +159,16 @@ def main(argv=None):
         note = f"  (more devices than the {cores} cores)" if shared else ""
         rounds = ", ".join(f"{v:.1f}" for v in per_round[name])
         print(f"{name:<24}{actions:>9}{statistics.median(walls) * 1e3:>11.2f}{median[name]:>11.1f}  [{rounds}]{note}")
+    over = [mpedu - bare for mpedu, bare in zip(per_round["1f1b, 2 device(s)"], floor)]
+    print(f"{'floor (1f1b, bare)':<24}{4 * m:>9}{'':>11}{statistics.median(floor):>11.1f}  "
+          f"[{', '.join(f'{v:.1f}' for v in floor)}]  two threads and nothing else; 1f1b over it: "
+          f"{statistics.median(over):.1f} [{', '.join(f'{v:.1f}' for v in over)}]")
     own = [median[n] for n, i in info.items() if not i[2]]
     shared = [median[n] for n, i in info.items() if i[2]]
     finish("overhead", {"benchmark": "overhead", "micro_batches": m, "cores": cores, "rounds": args.rounds,
                         "us_per_action": max(own), "us_per_action_oversubscribed": max(shared) if shared else None,
+                        "floor_us_per_action": statistics.median(floor),
+                        "over_floor_us_per_action": statistics.median(over), "rounds_floor_us_per_action": floor,
                         "runs": median, "rounds_us_per_action": per_round, "machine": machine()})
 
 
