@@ -33,7 +33,10 @@ most any schedule of two stages could reach: one device's step with the batch cu
 micro-batches is the work at that grain, and the second stage cannot start before the first has
 run one micro-batch's forward (see two_stage_bound; nothing else is charged). Finer grain
 shortens that wait but adds work; where every m stays under 0.95, so must every pipeline.
-JSON also: `one_device_work_s`, that work per m.
+JSON also: `one_device_work_s`, that work per m. `simulated_best_two_stage_vs_2core_limit`:
+mpedu's own 1F1B and zero-bubble schedules played with that work and nothing else (no overhead,
+a cut anywhere), the fastest for equal micro-batches and for unequal ones (small first and last
+micro-batches shorten the fill and the drain; mpedu itself cuts equal ones).
 """
 from __future__ import annotations
 
@@ -153,6 +156,51 @@ def two_stage_bound(work_s: float, forward_share: float, m: int) -> float:
     work / (2 - forward_share / m). Nothing else is charged: no hand-off, no layer boundary, no drain at the end
     (a zero-bubble schedule could fill it), no overhead: no schedule of two stages can beat it."""
     return work_s / (2 - forward_share / m)
+
+
+def best_two_stage_schedules(work_s: dict, forward_share: float, limit_s: float) -> dict:
+    """The fastest two-stage 1F1B and zero-bubble steps, simulated by mpedu's own schedules with no overhead at
+    all, for equal micro-batches and for unequal ones (sizes in steps of 8 sequences: small first and last ones
+    shorten the fill and the drain): the 2-core limit's step over each. A micro-batch of b sequences costs b/B of
+    one device's step at grain b (measured at B/m for the m in work_s, interpolated in log b between), cut at
+    any fraction of it (a cut inside a layer), forward `forward_share` of each stage's part; zero bubble defers
+    only the decoder's weight gradient (taken as a third of the second stage's backward: an LSTM's come with
+    its backward). {kind: {"vs_2core_limit", "sizes", "cut", "schedule"}}."""
+    import itertools
+    import math
+
+    from mpedu.schedules import one_f_one_b, run_order, zb1
+    grain = sorted((B // int(m), w / B) for m, w in work_s.items())      # (b, seconds per sequence)
+
+    def per_sequence(b):
+        for (b0, s0), (b1, s1) in zip(grain, grain[1:]):
+            if b0 <= b <= b1:
+                return s0 + (s1 - s0) * (math.log(b) - math.log(b0)) / (math.log(b1) - math.log(b0))
+        raise ValueError(f"no measured grain around b={b}")
+
+    def step(sizes, cut, schedule):
+        def cost(d, a):
+            work = sizes[a.mb] * per_sequence(sizes[a.mb]) * (cut if a.stage == 0 else 1 - cut)
+            if a.kind == "F":
+                return work * forward_share
+            back = work * (1 - forward_share)
+            if schedule is one_f_one_b or a.stage == 0:
+                return back if a.kind == "B" else 0.0
+            return back * 2 / 3 if a.kind == "B" else back / 3
+        return max(end for *_, end in run_order(schedule([0, 1], len(sizes)), cost=cost))
+
+    best = {}
+    for m in range(2, 6):
+        for sizes in itertools.product(range(8, B, 8), repeat=m):
+            if sum(sizes) != B:
+                continue
+            kind = "equal" if len(set(sizes)) == 1 else "unequal"
+            for schedule, cut in itertools.product((one_f_one_b, zb1), [c / 100 for c in range(40, 61)]):
+                ratio = limit_s / step(sizes, cut, schedule)
+                if ratio > best.get(kind, {}).get("vs_2core_limit", 0):
+                    best[kind] = {"vs_2core_limit": ratio, "sizes": list(sizes), "cut": cut,
+                                  "schedule": schedule.__name__}
+    return best
 
 
 def mpedu_model():
@@ -294,6 +342,8 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
     out["two_stage_bound_vs_2core_limit"] = {
         m: T * B / two_stage_bound(g["work_s"], g["forward_share"], int(m)) / plain2 for m, g in grains.items()}
     out["one_device_work_s"] = {m: g["work_s"] for m, g in grains.items()}
+    out["simulated_best_two_stage_vs_2core_limit"] = best_two_stage_schedules(
+        out["one_device_work_s"], statistics.median(g["forward_share"] for g in grains.values()), T * B / plain2)
     print(f"\n{setting} malloc (mpedu: {out['allocator_in_mpedu']})")
     print("  picking round, two virtual devices (tokens/s): " + "; ".join(
         f"{n[7:]} {picking[n]['tokens_per_s']:.0f}" for n in runs))
@@ -309,6 +359,9 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
     print("  the most two stages could reach with m equal micro-batches (the second waits only for the first's "
           "first forward; no overhead): " + "; ".join(
               f"m={m} {v:.3f}" for m, v in out["two_stage_bound_vs_2core_limit"].items()))
+    print("  simulated with no overhead, a cut anywhere, that work per grain: the best two-stage step " + "; ".join(
+        f"{kind} micro-batches {v['vs_2core_limit']:.3f} ({v['schedule']}, sizes {v['sizes']}, cut {v['cut']:.2f})"
+        for kind, v in out["simulated_best_two_stage_vs_2core_limit"].items()))
     grain = out["lstm_us_per_token_step"]
     whole = grain[f"T={T} b={B}, 1 thread"]
     print("  one LSTM layer (400), forward + backward, us per token and time step: " + "; ".join(
