@@ -53,6 +53,15 @@ def machine() -> dict:
             "cuda": torch.cuda.is_available()}
 
 
+def pinned_workers(names) -> list:
+    """One mpedu Worker per virtual device in `names`, each pinned to a core of its own as a Pipeline pins its
+    workers (mpedu.devices.own_cores), or unpinned where it cannot be (macOS, more devices than cores)."""
+    from mpedu.devices import Worker, get_device, own_cores
+    devices = [get_device(n) for n in names]
+    cores = own_cores(devices)
+    return [Worker(d, core=cores[k] if cores else None) for k, d in enumerate(devices)]
+
+
 def finish(name: str, result: dict) -> None:
     """Write bench/results/<name>.json and print the result as the last line."""
     out = Path(__file__).resolve().parent / "results"

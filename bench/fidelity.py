@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, machine, random_batch  # noqa: E402
+from common import finish, machine, pinned_workers, random_batch  # noqa: E402
 from quiet import quiet_rounds  # noqa: E402
 
 from mpedu.balance import balance_by_time  # noqa: E402
@@ -38,7 +38,6 @@ from mpedu.model import LSTMLM, LMConfig  # noqa: E402
 from mpedu.pipeline import Pipeline  # noqa: E402
 from mpedu.placement import Placement  # noqa: E402
 from mpedu.cores import measure_cores  # noqa: E402
-from mpedu.devices import Worker, get_device, own_cores  # noqa: E402
 from mpedu.costcurve import CostCurve  # noqa: E402
 from mpedu.profile import Costs, profile  # noqa: E402
 from mpedu.simulate import Link, simulate  # noqa: E402
@@ -187,9 +186,7 @@ class _CoreSpeeds:
     drifts with what its neighbours run; with a core per device, both cores count."""
 
     def __init__(self):
-        devices = [get_device(d) for d in DEVICES]
-        cores = own_cores(devices)
-        self.workers = [Worker(d, core=cores[k] if cores else None) for k, d in enumerate(devices)]
+        self.workers = pinned_workers(DEVICES)
         self.lstm, self.x = torch.nn.LSTM(CONFIG.hidden_size, CONFIG.hidden_size), torch.randn(T, B // M, CONFIG.hidden_size)
 
     def _seconds(self, k: int) -> float:

@@ -29,9 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, machine  # noqa: E402
+from common import finish, machine, pinned_workers  # noqa: E402
 
-from mpedu.devices import Worker, get_device, own_cores  # noqa: E402
 from mpedu.mailbox import Mailbox  # noqa: E402
 
 AFTER = ("releases", "python", "parked")
@@ -39,9 +38,7 @@ AFTER = ("releases", "python", "parked")
 
 def hand_offs(after: str, n: int) -> list[float]:
     """Seconds from each send to the waiting receiver holding the tensor, `n` times."""
-    devices = [get_device("vgpu:0"), get_device("vgpu:1")]
-    cores = own_cores(devices)
-    workers = [Worker(d, core=cores[k] if cores else None) for k, d in enumerate(devices)]
+    workers = pinned_workers(["vgpu:0", "vgpu:1"])
     mailbox = Mailbox(spin=after != "parked")
 
     def send():

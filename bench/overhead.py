@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import finish, machine, random_batch  # noqa: E402
+from common import finish, machine, pinned_workers, random_batch  # noqa: E402
 
-from mpedu.devices import Worker, get_device, own_cores, stop_workers, usable_cores  # noqa: E402
+from mpedu.devices import stop_workers, usable_cores  # noqa: E402
 from mpedu.mailbox import POLL_NAP_S  # noqa: E402
 from mpedu.model import LSTMLM, LMConfig, nll_sum  # noqa: E402
 from mpedu.pipeline import Pipeline  # noqa: E402
@@ -137,8 +137,7 @@ def main(argv=None):
     cores = len(usable_cores())
     per_round = {}                        # name -> [us per action in each round]
     info = {}                             # name -> (actions, step wall times, more devices than cores)
-    pinned = own_cores([get_device("vgpu:0"), get_device("vgpu:1")]) or [None, None]
-    floor_workers = [Worker(get_device(f"vgpu:{k}"), core=pinned[k]) for k in range(2)]   # pinned as mpedu's
+    floor_workers = pinned_workers(["vgpu:0", "vgpu:1"])
     floor = []
     try:
         for r in range(args.rounds):
