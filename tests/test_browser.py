@@ -395,11 +395,13 @@ def _a_change_during_a_drag_is_drawn_when_it_ends(page, server: Server) -> None:
     state = server.read_state()
     feet = lambda: explorer.locator(".mpedu-foot").all_inner_texts()   # noqa: E731  (busy and memory per device)
     transfer = page.evaluate_handle("() => new DataTransfer()")
-    # Mark a chip and start its drag in one step: the kernel may still be sending the last run's notes, and a
-    # redraw between the two would drop the mark before the drag began (a loaded machine once did just that).
-    explorer.locator(".mpedu-chip").first.evaluate(
-        "(chip, transfer) => { chip.dataset.probe = 'kept'; "
-        "chip.dispatchEvent(new DragEvent('dragstart', { dataTransfer: transfer, bubbles: true })); }", transfer)
+    # Find a chip, mark it and start its drag in one step, in the page: the kernel may still be sending the last
+    # run's notes, and a redraw between any two of these would replace the chip (a loaded machine once did so
+    # between marking and dragging). A chip's locator cannot take part: Playwright finds the element, then
+    # evaluates on it, two round trips apart, and the chip found may be gone by then. The explorer itself stays.
+    explorer.evaluate(
+        "(explorer, transfer) => { const chip = explorer.querySelector('.mpedu-chip'); chip.dataset.probe = 'kept';"
+        " chip.dispatchEvent(new DragEvent('dragstart', { dataTransfer: transfer, bubbles: true })); }", transfer)
     chip = explorer.locator(".mpedu-chip[data-probe='kept']")          # a redraw would drop this mark
     old_feet, revision = feet(), _revision(explorer)                    # from now on the board holds still
 
