@@ -267,6 +267,8 @@ def howto(rounds: int) -> list:
                     "an LSTM layer", "the decoder", margin=2.0, needs_cores=0, unit="bytes"),
             compare("how-to: on GPUs (cost model, PCIe 4) the left pipeline beats the right", on_gpu, "left",
                     "right", margin=1.2, needs_cores=0),
+            # holds while the decoder costs over ~3 LSTM layers on this CPU (GPipe, m=4, simulated); notebook 04's
+            # outputs come from a machine where it cost ~5; on one where it cost 2.1-2.7 it did not (2026-12-01)
             compare("how-to: on virtual devices (CPU cores) the right pipeline beats the left", times, "right",
                     "left", margin=1.1, cores=cores)]
 
