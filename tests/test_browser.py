@@ -320,8 +320,8 @@ def test_a_best_plan_row_puts_its_placement_on_the_board(sync_playwright, server
                               for t in rows.all_inner_texts()]
         texts = placements()
         if all(t == before["placement"] for t in texts):
-            # The machine's measured costs can make every best plan share the board's split (the notebook leaves
-            # its balanced one there): move a layer first, as a person would, so that applying a row changes it.
+            # The machine's measured costs can make every best plan share the split the notebook left on the
+            # board: move a layer first, as a person would, so that applying a row changes it.
             before = _move_one_layer_by_keyboard(page, server)
             _wait_for(lambda: rows.count() > 0, 30, "the best plans to be listed again")
             texts = placements()
