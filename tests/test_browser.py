@@ -341,14 +341,19 @@ def test_a_best_plan_row_puts_its_placement_on_the_board(sync_playwright, server
         explorer.locator(".mpedu-best-plans").screenshot(path=str(folder / f"best-plans-{server.front_end.id}.png"))
 
 
+def _fullest_device(state) -> tuple[int, list[str]]:
+    """The index of the device holding the most layers (the first such), and its layers in model order."""
+    devices, assignment = state["devices"], state["assignment"]
+    k = max(range(len(devices)), key=lambda i: list(assignment.values()).count(devices[i]))
+    return k, [name for name, d in assignment.items() if d == devices[k]]
+
+
 def _move_one_layer_by_keyboard(page, server: Server) -> dict:
     """Move one layer to the next device with the arrow keys, keeping the split contiguous (the fullest device's
     last layer to the right, or, on the last device, its first layer to the left); the settled state after."""
     state = _settled(page, server)
-    devices, assignment = state["devices"], state["assignment"]
-    fullest = max(devices, key=lambda d: list(assignment.values()).count(d))
-    own = [name for name, d in assignment.items() if d == fullest]
-    k = devices.index(fullest)
+    devices = state["devices"]
+    k, own = _fullest_device(state)
     layer, key, to = (own[-1], "ArrowRight", devices[k + 1]) if k + 1 < len(devices) else \
         (own[0], "ArrowLeft", devices[k - 1])
     page.locator(".mpedu-explorer").last.locator(f".mpedu-chip[data-layer='{layer}']").click()
@@ -375,9 +380,8 @@ def _drag_a_layer_and_train(page, server: Server) -> None:
 
     # Move the last layer of the fullest device to another device: every device keeps a layer.
     assignment, devices = before["assignment"], before["devices"]
-    fullest = max(devices, key=lambda d: list(assignment.values()).count(d))
-    layer = [name for name, d in assignment.items() if d == fullest][-1]
-    target = next(d for d in devices if d != fullest)
+    k, own = _fullest_device(before)
+    layer, target = own[-1], next(d for d in devices if d != devices[k])
     expected = str(Placement(list(assignment), {**assignment, layer: target}))
     _drag(page, layer, target)
 
@@ -508,10 +512,9 @@ def _three_arrow_presses_move_a_chip_three_times(page, server: Server) -> None:
     keep the keyboard through both, or only the first press works."""
     explorer = page.locator(".mpedu-explorer").last
     state = _settled(page, server)
-    devices, assignment = state["devices"], state["assignment"]
-    fullest = max(devices, key=lambda d: list(assignment.values()).count(d))
-    layer = [name for name, d in assignment.items() if d == fullest][-1]
-    k = devices.index(fullest)
+    devices = state["devices"]
+    k, own = _fullest_device(state)
+    layer = own[-1]
     keys = ["ArrowRight", "ArrowLeft", "ArrowRight"] if k + 1 < len(devices) else ["ArrowLeft", "ArrowRight",
                                                                                    "ArrowLeft"]
     focused = lambda: page.evaluate("() => document.activeElement?.dataset?.layer ?? null")   # noqa: E731
