@@ -8,8 +8,9 @@ GPipe pipeline (m = 4) for the same number of batches:
   batch longest   random batches, each padded to its own longest sentence
   corpus longest  every batch padded to the longest sentence in the corpus (one bucket)
 Real tokens are targets that are not padding; padding costs compute but teaches nothing.
-Runs on the embedded corpus, and on ../shared/data/ptb when it is there (trained
-vocabulary from ptb.valid.txt, the only PTB training text we ship).
+Runs on the embedded corpus, and on the Penn Treebank's validation and test files when
+../shared/data/ptb holds them (the project's machines have them; mpedu ships no PTB text): the vocabulary
+and the training sentences are ptb.valid.txt's, the full training file not being there.
 """
 from __future__ import annotations
 
