@@ -25,6 +25,10 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _nothing() -> None:
+    """An empty job: a worker has finished every job queued before it once it has run."""
+
+
 class Pipeline:
     """A model split into stages over devices, trained one schedule step at a time.
 
@@ -236,11 +240,13 @@ class Pipeline:
         timeline = Timeline([d.name for d in self.devices])
         t0 = time.perf_counter()
         callers = streams.caller_streams(self.devices)
-        futures = [worker.submit(streams.after(callers.get(worker.device.name),
-                                               self._device_job(d, row, micro, 1.0 / tokens, train, mailbox, timeline,
-                                                                t0, key, plan)))
-                   for d, (worker, row) in enumerate(zip(self._workers, actions))]
+        futures = []
         try:
+            # Submitted inside the try: a Ctrl-C between two submissions must still abort the jobs
+            # already queued, which would otherwise wait for the others' messages for ever.
+            for d, (worker, row) in enumerate(zip(self._workers, actions)):
+                futures.append(worker.submit(streams.after(callers.get(worker.device.name), self._device_job(
+                    d, row, micro, 1.0 / tokens, train, mailbox, timeline, t0, key, plan))))
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             failed = [f for f in done if f.exception() is not None]
             if failed:
@@ -253,7 +259,9 @@ class Pipeline:
             # Ctrl-C or a failure: wake every worker, let each finish its current action,
             # then drop the step's tensors so the next step starts clean.
             mailbox.abort()
-            wait_uninterrupted(futures)
+            # A worker runs its jobs in order: once an empty job has run on each, every job of this
+            # step has ended, also one queued by a submit that Ctrl-C kept from returning its future.
+            wait_uninterrupted(futures + [w.submit(_nothing) for w in self._workers if w.alive])
             for stage in self.stages:
                 stage.reset()
             self._carry_shape = None

@@ -2,6 +2,7 @@
 import gc
 import os
 import signal
+import threading
 import time
 import traceback
 import warnings
@@ -298,3 +299,40 @@ def test_a_failed_step_frees_what_its_forwards_saved(monkeypatch, batch):
             with pytest.raises(Injected):
                 pipe.train_step(batch)
         assert tensors() - before < 10
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["before-the-second-submit", "after-its-job-was-queued"])
+def test_ctrl_c_between_submitting_two_devices_jobs_does_not_hang(monkeypatch, batch, queued):
+    """Ctrl-C lands in the caller between the devices' submissions: vgpu:0's job is queued and waits
+    for vgpu:1's messages, which will never come. The step must abort it, and close() must return."""
+    model = tiny_model()
+    ref_loss, _ = reference(model, batch)
+    pipe = Pipeline(model, BALANCED, "gpipe", micro_batches=4)
+    second = pipe._workers[1]
+    real_submit = type(second).submit
+
+    def interrupted(fn):
+        if queued:
+            real_submit(second, fn)      # the job is queued, but its future never reaches the step
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(second, "submit", interrupted)
+    outcome = {}
+
+    def step_then_close():
+        try:
+            pipe.train_step(batch)
+        except KeyboardInterrupt:
+            outcome["interrupted"] = True
+        monkeypatch.undo()
+        model.zero_grad()
+        outcome["loss"] = pipe.train_step(batch).loss
+        pipe.close()
+        outcome["closed"] = True
+
+    runner = threading.Thread(target=step_then_close, daemon=True)
+    runner.start()
+    runner.join(30)
+    assert not runner.is_alive(), "the step or close() hung after a Ctrl-C between two submissions"
+    assert outcome == {"interrupted": True, "loss": pytest.approx(ref_loss, rel=1e-6), "closed": True}
+    assert not any(w.alive for w in pipe._workers)
