@@ -67,14 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bars (they go to stderr)")
     pipe = t.add_argument_group("pipeline")
     where = pipe.add_mutually_exclusive_group()
-    where.add_argument("--devices", type=positive_int, default=2, metavar="N",
+    # default None, resolved to 2 after parsing: argparse treats a value that `is` the default as not
+    # given, so a typed "--devices 2" beside --placement would escape the exclusion
+    where.add_argument("--devices", type=positive_int, metavar="N",
                        help="split the layers evenly over N devices (vgpu:0.. on CPU); 1 = the single-device "
                             "reference runner (default: 2)")
     where.add_argument("--placement", metavar="STR",
                        help='layers to devices, e.g. "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"')
     pipe.add_argument("--schedule", default="gpipe",
                       help="pipeline schedule: naive, gpipe, 1f1b, interleaved, zb1, wavefront (default: gpipe)")
-    pipe.add_argument("--micro-batches", type=int, default=4, metavar="M",   # checked by the schedule: exit 2
+    pipe.add_argument("--micro-batches", type=positive_int, default=4, metavar="M",
                       help="micro-batches per batch, at most --batch-size (default: 4)")
     pipe.add_argument("--chunks", type=positive_int, default=1, metavar="C",
                       help="time chunks per sequence, for --schedule wavefront (default: 1)")
@@ -90,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = commands.add_parser("corpus", help="write the embedded corpus as ptb.{train,valid,test}.txt",
                             description="Write the embedded synthetic corpus in PTB format (one sentence per line).")
     c.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
-    c.add_argument("--seed", type=int, default=0, help="which made-up language (default: 0)")
+    c.add_argument("--seed", type=count, default=0, help="which made-up language (default: 0)")
+    c.add_argument("--force", action="store_true", help="replace ptb.*.txt files already in DIR")
     return parser
 
 
@@ -121,6 +124,11 @@ def diverged(summary: dict, recipe_lr: float) -> str | None:
 def build_runner(model, args):
     """SingleDevice for `--devices 1` without a placement; otherwise a Pipeline."""
     if args.placement is None and args.devices == 1:
+        from .schedules import canonical
+        canonical(args.schedule)        # a misspelt schedule is refused whatever runs it
+        if args.chunks > 1:
+            raise ValueError(f"--chunks {args.chunks} cuts a pipeline's micro-batches along time, and --devices 1 "
+                             "runs no pipeline; use --devices 2 or more with --schedule wavefront, or a --placement")
         if args.memory_cap is not None:
             raise ValueError("--memory-cap applies to pipeline devices; use --devices 2 or more, or a "
                              "--placement (one device: --placement 'embed,...,decode:vgpu0')")
@@ -202,7 +210,10 @@ def _train_in(args, corpus, recipe) -> int:
     except OSError as e:
         return _error(f"cannot write to --out {args.out}: {why(e)} ({e.filename or args.out})", code=1)
     except KeyboardInterrupt:
-        return _error(f"interrupted; continue with --resume --out {args.out}", code=130)
+        if (Path(args.out) / "checkpoint.pt").exists():
+            return _error(f"interrupted; continue with --resume --out {args.out}", code=130)
+        return _error(f"interrupted before the first checkpoint (written every {args.checkpoint_every} batches "
+                      "and at each epoch end): nothing to resume", code=130)
     finally:
         runner.close()
     if pipelined and runner.last_timeline is not None:
@@ -230,8 +241,14 @@ def _train_in(args, corpus, recipe) -> int:
 
 def run_corpus(args) -> int:
     from . import synthetic
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return _error(f"--out {args.out} is a file; give a folder (it is created if need be)")
+    there = [f.name for f in synthetic.files(out) if f.exists()]
+    if there and not args.force:
+        return _error(f"{args.out} already holds {', '.join(there)}; give another --out, or --force to replace them")
     try:
-        path = synthetic.write(args.out, args.seed)
+        path = synthetic.write(out, args.seed)
     except OSError as e:
         return _error(f"cannot write the corpus to {args.out}: {e.strerror or e}")
     print(f"wrote the embedded corpus (seed {args.seed}) to {path}")
@@ -240,9 +257,16 @@ def run_corpus(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["train"] + argv         # no command: `train`, with the options given
     parser = build_parser()
     args = parser.parse_args(join_dash_values(parser, argv) or ["train"])
-    return run_corpus(args) if args.command == "corpus" else run_train(args)
+    if args.command == "train" and args.devices is None and args.placement is None:
+        args.devices = 2                # --devices's default (see build_parser)
+    try:
+        return run_corpus(args) if args.command == "corpus" else run_train(args)
+    except KeyboardInterrupt:           # before training started (a Ctrl-C during it is answered in _train_in)
+        return _error("interrupted before training started", code=130)
 
 
 if __name__ == "__main__":

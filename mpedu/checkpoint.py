@@ -15,6 +15,7 @@ import torch
 
 from .files import atomic_write, temp_prefix
 from .model import CONFIGS, LMConfig, LSTMLM
+from .options import shorten
 
 CHECKPOINT_FORMAT = "mpedu-checkpoint-1"
 MODEL_FORMAT = "mpedu-model-1"
@@ -149,7 +150,7 @@ def _damaged(path, kind, e) -> CheckpointError:
     except OSError as read_error:
         what = f"cannot be read ({read_error.strerror or read_error})"
     return CheckpointError(f"{kind} {path} {what}, so it cannot be read as an mpedu {kind} "
-                           f"(torch says: {e.__class__.__name__}: {(str(e).splitlines() or [''])[0][:120]}); "
+                           f"(torch says: {e.__class__.__name__}: {shorten((str(e).splitlines() or [''])[0], 160)}); "
                            f"delete it, or pick another --out")
 
 

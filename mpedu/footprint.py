@@ -28,7 +28,7 @@ def recompute_modes(recompute, num_stages: int) -> list[str | None]:
         for stage, mode in recompute.items():
             if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
                 raise ValueError(f"recompute names stage {stage!r}, but the pipeline has stages 0..{num_stages - 1}; "
-                                 "give {stage index: mode}")
+                                 "name those (--recompute 0=all,1=none; in Python {stage index: mode})")
             _check_mode(mode, f"recompute[{stage}]")
             modes[stage] = mode
         return modes
@@ -51,6 +51,8 @@ def parse_recompute(text: str):
         stage, _, mode = (part.strip() for part in item.partition("="))
         if not stage.isdigit():
             raise ValueError(f"--recompute {item!r}: write STAGE=MODE with a stage number, e.g. 0=all")
+        if int(stage) in modes:
+            raise ValueError(f"--recompute {text!r} gives stage {int(stage)} twice; give each stage once")
         modes[int(stage)] = None if mode == "none" else mode
         _check_mode(modes[int(stage)], f"--recompute stage {stage}")
     return modes
@@ -58,8 +60,8 @@ def parse_recompute(text: str):
 
 def _check_mode(mode, what: str) -> None:
     if mode not in MODES:
-        raise ValueError(f"{what}={mode!r} is not a recomputation mode; choose None (keep activations), "
-                         "'all' (recompute every micro-batch) or 'all-but-last'")
+        raise ValueError(f"{what}={mode!r} is not a recomputation mode; choose none (keep activations; None in "
+                         "Python), all (recompute every micro-batch) or all-but-last")
 
 
 def recomputes(mode: str | None, mb: int, micro_batches: int) -> bool:

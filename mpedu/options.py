@@ -107,8 +107,9 @@ def link_help() -> str:
             "Or LATENCY,BANDWIDTH, e.g. 5ms,10MB/s. Virtual devices only: GPUs copy for real")
 
 
-def add_training_options(parser: argparse.ArgumentParser, clip_over: str) -> None:
-    """The options every `train` command takes (here and under torchrun), with the same checks."""
+def add_training_options(parser: argparse.ArgumentParser, clip_over: str, resume: bool = True) -> None:
+    """The options every `train` command takes (here and under torchrun), with the same checks.
+    `resume`: the command has --resume (its --lr help says what a given lr does then)."""
     parser.add_argument("--data", metavar="DIR", help="folder with ptb.train.txt, ptb.valid.txt and ptb.test.txt "
                         "(default: the embedded synthetic corpus)")
     # --epochs, --batch-size, --lr and --clip default to None: the --config's recipe fills them
@@ -124,7 +125,7 @@ def add_training_options(parser: argparse.ArgumentParser, clip_over: str) -> Non
                         help=f"SGD learning rate for a loss that is the mean NLL per token (a paper's lr for a "
                              f"loss summed over T time steps is about lr x T here); decayed by the recipe's rule "
                              f"(default: the recipe's; {CONFIG}: {tiny.lr:g}, halved when validation "
-                             f"perplexity gains < 1). Given on --resume, it replaces the checkpoint's")
+                             f"perplexity gains < 1)" + (". Given on --resume, it replaces the checkpoint's" if resume else ""))
     parser.add_argument("--clip", type=non_negative_float,
                         help=f"norm clip over {clip_over}, 0 for none (default: the recipe's; {CONFIG}: "
                              f"{tiny.clip:g})")

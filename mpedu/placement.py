@@ -51,7 +51,7 @@ class Placement:
         for names, device in read_groups(text, limit=len(model.layer_names)):
             for name in names:
                 if name in assignment:
-                    raise ValueError(f"layer {_shown(name)} is placed twice ({assignment[name]} and "
+                    raise ValueError(f"layer {_shown(name)} is placed twice ({_shown(assignment[name])} and "
                                      f"{_shown(device)}); give each layer one device")
                 assignment[name] = device
         return cls(model.layer_names, assignment)

@@ -396,5 +396,5 @@ def make(name: str, stage_devices, m: int, chunks: int = 1) -> Schedule:
         return wavefront(list(stage_devices), m, chunks).validate()
     if chunks != 1:
         raise ValueError(f"chunks={chunks}: only the 'wavefront' schedule pipelines along time; "
-                         f"use schedule='wavefront' or chunks=1")
+                         f"use schedule='wavefront' or chunks=1 (--schedule wavefront, or --chunks 1)")
     return GENERATORS[key](list(stage_devices), m).validate()

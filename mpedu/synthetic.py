@@ -166,11 +166,17 @@ def generate(seed: int = 0, n_train: int = 9500, n_valid: int = 950, n_test: int
     return out
 
 
+def files(dirpath) -> list[Path]:
+    """The files `write` writes into dirpath."""
+    return [Path(dirpath) / f"ptb.{split}.txt" for split in ("train", "valid", "test")]
+
+
 def write(dirpath, seed: int = 0) -> Path:
     """Write the corpus as ptb.train.txt, ptb.valid.txt, ptb.test.txt (PTB format) into dirpath."""
     dirpath = Path(dirpath)
     dirpath.mkdir(parents=True, exist_ok=True)
-    for split, sentences in generate(seed).items():
-        text = "".join(" ".join(words) + "\n" for words in sentences)
-        (dirpath / f"ptb.{split}.txt").write_bytes(text.encode("utf-8"))
+    splits = generate(seed)
+    for path in files(dirpath):
+        text = "".join(" ".join(words) + "\n" for words in splits[path.name.split(".")[1]])
+        path.write_bytes(text.encode("utf-8"))
     return dirpath

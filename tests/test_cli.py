@@ -170,7 +170,9 @@ def test_wavefront_with_time_chunks_from_the_command_line(capsys, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (["--placement", "embed,lstm0:vgpu0 | decode:vgpu1"], "lstm1"),
     (["--schedule", "no-such-schedule"], "no-such-schedule"),
-    (["--micro-batches", "0"], "micro"),
+    (["--devices", "1", "--schedule", "no-such-schedule"], "no-such-schedule"),
+    (["--devices", "1", "--chunks", "4"], "--chunks 4"),
+    (["--schedule", "gpipe", "--chunks", "4"], "--schedule wavefront"),
 ])
 def test_bad_pipeline_options_exit_2(capsys, tmp_path, args, words):
     code, out, err = run(capsys, "train", *args, *QUICK, "--out", str(tmp_path))
@@ -274,6 +276,54 @@ def test_bad_values_are_named_briefly(capsys, monkeypatch, tmp_path, args, words
     code, err = refused(capsys, "train", *QUICK, *args, "--out", str(tmp_path))
     assert code == 2 and words in err, err
     assert len(err.strip().splitlines()[-1]) < 400, err   # the message, after argparse's usage lines
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--micro-batches", "0"], "argument --micro-batches: expected a whole number >= 1, got 0"),
+    (["--devices", "2", "--placement", "embed:vgpu0 | lstm0:vgpu1 | lstm1,decode:vgpu2"], "not allowed with"),
+    (["--recompute", "some"], "choose none (keep activations"),
+    (["--recompute", "0=all,0=none"], "gives stage 0 twice"),
+])
+def test_options_are_refused_in_the_command_lines_words(capsys, args, words):
+    code, err = refused(capsys, "train", *QUICK, *args)
+    assert code == 2 and words in err, err
+
+
+def test_options_without_a_command_are_trains(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "run_train", lambda args: seen.append(args) or 0)
+    assert main(["--epochs", "1", "--devices", "1"]) == 0
+    assert seen[0].command == "train" and seen[0].epochs == 1 and seen[0].devices == 1
+
+
+def test_corpus_refuses_to_overwrite_a_users_files_without_force(capsys, tmp_path):
+    (tmp_path / "ptb.train.txt").write_text("my own words\n")
+    code, err = refused(capsys, "corpus", "--out", str(tmp_path))
+    assert code == 2 and "already holds ptb.train.txt" in err and "--force" in err
+    assert (tmp_path / "ptb.train.txt").read_text() == "my own words\n"
+    code, err = refused(capsys, "corpus", "--out", str(tmp_path / "ptb.train.txt"))
+    assert code == 2 and "is a file; give a folder" in err
+    assert main(["corpus", "--out", str(tmp_path), "--force"]) == 0
+    assert (tmp_path / "ptb.train.txt").read_text() != "my own words\n"
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_ctrl_c_says_whether_there_is_a_checkpoint_to_resume(capsys, monkeypatch, tmp_path, saved):
+    if saved:
+        (tmp_path / "checkpoint.pt").write_bytes(b"")     # only its presence is read
+    monkeypatch.setattr(cli, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    code, err = refused(capsys, "train", *QUICK, "--devices", "1", "--out", str(tmp_path))
+    assert code == 130
+    assert ("continue with --resume" in err) == saved and ("nothing to resume" in err) == (not saved), err
+
+
+def test_ctrl_c_before_training_is_one_line_not_a_traceback(capsys, monkeypatch, tmp_path):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("mpedu.data.load_corpus", interrupted)
+    code, err = refused(capsys, "train", *QUICK, "--out", str(tmp_path))
+    assert code == 130 and err.strip() == "mpedu: error: interrupted before training started"
+
 
 
 # ---- recipes: each config trains as its paper did, in mpedu's learning-rate convention

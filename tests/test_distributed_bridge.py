@@ -3,7 +3,7 @@ there is refused with the reason."""
 import pytest
 
 from mpedu.distributed import ScheduleRefused, read_schedule, torch_order
-from mpedu.distributed.bridge import resolve
+from mpedu.distributed.bridge import resolve, schedule_arg
 from mpedu.schedules import Schedule, ScheduleError, make, wavefront
 
 HAND = """
@@ -61,3 +61,10 @@ def test_resolve_checks_a_schedule_against_the_placement():
     bad = Schedule("broken", (0, 1), 1, [[make("gpipe", [0, 1], 1).actions[0][0]], []])
     with pytest.raises(ScheduleError):
         resolve(bad, [0, 1], 1)
+
+
+@pytest.mark.parametrize("name", ["wavefront", "Wavefront"])
+def test_the_wavefront_is_refused_under_torchrun_with_what_to_run_instead(name):
+    with pytest.raises(ValueError, match="use gpipe, or run the wavefront on mpedu's threads"):
+        schedule_arg(name, [0, 1], 4)
+    assert schedule_arg("gpipe", [0, 1], 4) == "gpipe"

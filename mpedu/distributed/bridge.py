@@ -85,6 +85,10 @@ def schedule_arg(value: str, stage_ranks: list[int], micro_batches: int) -> str 
     path = Path(value)
     if path.is_file():
         return read_schedule(path.read_text(), stage_ranks, micro_batches, name=path.stem)
+    if value.strip().lower() == "wavefront":
+        raise ValueError("--schedule wavefront cuts sentences into time chunks, whose LSTM state cannot travel "
+                         "between ranks (no --chunks here); with one chunk it is GPipe: use gpipe, or run the "
+                         "wavefront on mpedu's threads (python -m mpedu train --schedule wavefront --chunks 4)")
     return value
 
 

@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "last step's timeline (every rank: last_step.png, last_step.json, "
                                         "last_step.timeline.json) in --out. Not offered: --bptt (state cannot "
                                         "cross ranks), --resume, and --link (the ranks' link is real).")
-    add_training_options(t, clip_over="all ranks' gradients")
+    add_training_options(t, clip_over="all ranks' gradients", resume=False)
     t.add_argument("--out", default="runs/distributed", metavar="DIR",
                    help="where rank 0 writes model.pt and the timeline (default: runs/distributed)")
     t.add_argument("--limit-batches", type=positive_int, metavar="N",
