@@ -125,6 +125,9 @@ def _check_positive(name: str, value) -> int:
 
 
 def _check_sentences(sentences) -> None:
+    if hasattr(sentences, "train") and hasattr(sentences, "vocab"):
+        raise TypeError("batch one split of the corpus, e.g. BucketIterator(corpus.train, batch_size), not the "
+                        "whole corpus")
     if len(sentences) == 0:
         raise ValueError("no sentences to batch: the list is empty")
     for i, s in enumerate(sentences):

@@ -108,6 +108,23 @@ def get_devices(n: int, kind: str = "auto") -> list[Device]:
     return pool[:n]
 
 
+def device_list(devices) -> list[Device]:
+    """Devices from a count (the first n: get_devices), one name, or a list of names or Devices,
+    each once."""
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return get_devices(devices)
+    if isinstance(devices, (str, Device)):
+        devices = [devices]
+    try:
+        devs = [get_device(d) for d in devices]
+    except TypeError:
+        raise TypeError(f"devices={devices!r}: give a count, e.g. 2, or names, e.g. ['vgpu:0', 'vgpu:1']") from None
+    twice = sorted({d.name for d in devs if devs.count(d) > 1})
+    if twice:
+        raise ValueError(f"devices {[d.name for d in devs]} name {', '.join(twice)} twice; give each device once")
+    return devs
+
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")

@@ -21,7 +21,7 @@ MODES = (None, "all", "all-but-last")
 def recompute_modes(recompute, num_stages: int) -> list[str | None]:
     """One mode per stage from None, a mode for every stage, or {stage index: mode} (others keep)."""
     if recompute is None or isinstance(recompute, str):
-        _check_mode(recompute, "recompute")
+        check_mode(recompute, "recompute")
         return [recompute] * num_stages
     if isinstance(recompute, Mapping):
         modes: list[str | None] = [None] * num_stages
@@ -29,12 +29,12 @@ def recompute_modes(recompute, num_stages: int) -> list[str | None]:
             if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
                 raise ValueError(f"recompute names stage {stage!r}, but the pipeline has stages 0..{num_stages - 1}; "
                                  "name those (--recompute 0=all,1=none; in Python {stage index: mode})")
-            _check_mode(mode, f"recompute[{stage}]")
+            check_mode(mode, f"recompute[{stage}]")
             modes[stage] = mode
         return modes
     if isinstance(recompute, (list, tuple)) and len(recompute) == num_stages:
         for s, mode in enumerate(recompute):
-            _check_mode(mode, f"recompute[{s}]")
+            check_mode(mode, f"recompute[{s}]")
         return list(recompute)
     raise ValueError(f"recompute={recompute!r}: give None, 'all', 'all-but-last', or a dict {{stage: mode}}")
 
@@ -44,7 +44,7 @@ def parse_recompute(text: str):
     text = text.strip()
     if "=" not in text:
         mode = None if text == "none" else text
-        _check_mode(mode, "--recompute")
+        check_mode(mode, "--recompute")
         return mode
     modes = {}
     for item in text.split(","):
@@ -54,11 +54,11 @@ def parse_recompute(text: str):
         if int(stage) in modes:
             raise ValueError(f"--recompute {text!r} gives stage {int(stage)} twice; give each stage once")
         modes[int(stage)] = None if mode == "none" else mode
-        _check_mode(modes[int(stage)], f"--recompute stage {stage}")
+        check_mode(modes[int(stage)], f"--recompute stage {stage}")
     return modes
 
 
-def _check_mode(mode, what: str) -> None:
+def check_mode(mode, what: str) -> None:
     if mode not in MODES:
         raise ValueError(f"{what}={mode!r} is not a recomputation mode; choose none (keep activations; None in "
                          "Python), all (recompute every micro-batch) or all-but-last")

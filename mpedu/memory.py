@@ -138,6 +138,15 @@ def memory_report(pipe, timeline, optimizer: torch.optim.Optimizer | None = None
     torch has not yet created it, it is worked out by stepping a small copy of the optimizer.
     On a GPU the report also gives the measured peak (`measured_peak`) beside the estimate.
     """
+    timeline = getattr(timeline, "timeline", timeline)     # a StepResult: the step's timeline
+    if not hasattr(pipe, "placement") or not hasattr(timeline, "peak_memory"):
+        raise TypeError(f"memory_report(pipe, timeline) needs a Pipeline and a training step's timeline, got "
+                        f"{type(pipe).__name__} and {type(timeline).__name__}; e.g. "
+                        "memory_report(pipe, pipe.train_step(batch).timeline)")
+    missing = [d.name for d in pipe.placement.devices if d.name not in timeline.devices]
+    if missing:
+        raise ValueError(f"the timeline has no device {', '.join(missing)} of this pipeline (its devices: "
+                         f"{', '.join(timeline.devices)}); give the timeline of a step this pipeline ran")
     per_param = _optimizer_bytes(optimizer) if optimizer is not None else None
     model, placement = pipe.model, pipe.placement
     # the optimizer's state per device, for each distinct weight (a tied one once: footprint.unique_params)

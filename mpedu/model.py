@@ -110,6 +110,9 @@ class LSTMLM(nn.Module):
         """Build a named config (`tiny`, `small`, `medium`, `large`, `mxnet8`), optionally overriding fields."""
         if name not in CONFIGS:
             raise ValueError(f"unknown model config {name!r}; choose one of {', '.join(CONFIGS)}")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+            raise TypeError(f"vocab_size must be a whole number, got {type(vocab_size).__name__}; give "
+                            "len(corpus.vocab)")
         if vocab_size < 4:
             raise ValueError(f"vocab_size={vocab_size} is too small: the vocabulary holds at least <pad>, <unk>, <eos> and one word")
         return cls(vocab_size, replace(CONFIGS[name], **overrides))

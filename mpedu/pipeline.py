@@ -1,6 +1,7 @@
 """Pipeline: runs a schedule's action lists on the devices' workers and records a Timeline."""
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, wait
@@ -128,6 +129,7 @@ class Pipeline:
             stop_workers(self._workers)
             raise
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
+        self._stepping = threading.Lock()     # one step at a time: the stages hold one step's tensors
         self._carry_shape = None
         # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.dropout.
         # Each train_step uses dropout_step, then counts it up; train() sets both from its seed and
@@ -213,6 +215,16 @@ class Pipeline:
 
     # -- one step -------------------------------------------------------------------
     def _step(self, batch, actions: list[list[Action]], train: bool) -> StepResult:
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("this Pipeline is running a step in another thread; a pipeline runs one step at a "
+                               "time (its stages hold that step's activations): wait for it, or build a second "
+                               "Pipeline on other devices")
+        try:
+            return self._one_step(batch, actions, train)
+        finally:
+            self._stepping.release()
+
+    def _one_step(self, batch, actions: list[list[Action]], train: bool) -> StepResult:
         if not self._finalizer.alive:
             raise RuntimeError("this Pipeline is closed; build a new one")
         tokens = check_batch(batch, self.model.vocab_size)
@@ -404,7 +416,7 @@ def _as_placement(placement, model) -> Placement:
         return Placement.parse(placement, model)
     if isinstance(placement, dict):
         return Placement.from_dict(placement, model)
-    if isinstance(placement, int):
+    if isinstance(placement, int) and not isinstance(placement, bool):
         return Placement.even(model, get_devices(placement))
     raise TypeError(f"placement must be a Placement, a string like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1', "
                     f"a dict or a device count; got {type(placement).__name__}")

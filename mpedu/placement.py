@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Mapping
 
-from .devices import Device, get_device, get_devices
+from .devices import Device, device_list, get_device
 
 _RANGE_RE = re.compile(r"^([a-z_]+)(\d+)-(\d+)$")
 
@@ -63,7 +63,7 @@ class Placement:
     @classmethod
     def even(cls, model, devices: int | Iterable) -> "Placement":
         """Contiguous groups with equal layer counts (the naive split; see balance for a better one)."""
-        devs = get_devices(devices) if isinstance(devices, int) else [get_device(d) for d in devices]
+        devs = device_list(devices)
         names = model.layer_names
         if not devs:
             raise ValueError("no devices given: pass a device count or a list such as ['vgpu:0', 'vgpu:1']")

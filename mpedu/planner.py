@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 from .bounds import held_units, memory_floor, time_bound
 from .costcurve import CostCurve, profile_curve
-from .devices import format_size, get_device, get_devices, parse_size
-from .footprint import device_footprints
+from .devices import device_list, format_size, parse_size
+from .footprint import check_mode, device_footprints
 from .placement import Placement
 from .planplot import plot_plans
 from .profile import Costs, StageCost
@@ -44,6 +44,11 @@ RECOMPUTE = (None, "all", "all-but-last")
 
 class PlanStopped(Exception):
     """plan(..., should_stop=...) said stop: the search ended before it was done (no result)."""
+
+
+def _choices(value) -> tuple:
+    """A tuple of choices from a tuple or list, or from one value (a name, a count, None)."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,10 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     newer one waits).
     """
     T, B = batch.inputs.shape
-    devs = get_devices(devices) if isinstance(devices, int) else [get_device(d) for d in devices]
+    devs = device_list(devices)
+    # one value where a tuple of choices goes: plan for that one
+    schedules, recompute, chunks = (_choices(v) for v in (schedules, recompute, chunks))
+    micro_batches = _choices(micro_batches) if micro_batches is not None else None
     p = len(devs)
     names = list(model.layer_names)
     n = len(names)
@@ -202,6 +210,11 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
         raise ValueError(f"unknown schedule {unknown[0]!r}; the planner knows {', '.join(SCHEDULES)}")
+    for mode in recompute:
+        check_mode(mode, "recompute")
+    if "wavefront" in schedules and not any(isinstance(c, int) and 1 <= c <= T for c in chunks):
+        raise ValueError(f"chunks={tuple(chunks)}: the wavefront needs a chunk count from 1 to the batch's "
+                         f"{T} time steps; give such counts, or leave 'wavefront' out of schedules")
     cap = parse_size(memory_cap) if isinstance(memory_cap, str) else memory_cap
     if costs is None:
         widths = [B // m for m in ms]

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields
@@ -12,6 +14,7 @@ from . import dropout
 from .devices import Worker, get_device
 from .footprint import param_sizes
 from .model import nll_sum
+from .runner import check_batch
 from .stage import count_saved, is_recurrent
 
 
@@ -47,13 +50,21 @@ class StageCost:
             object.__setattr__(self, "trainable_bytes", self.param_bytes)
         if self.forward_nograd is None:
             object.__setattr__(self, "forward_nograd", self.forward)
-        if self.forward < 0:
-            raise ValueError(f"a stage cannot take negative time: forward={self.forward}")
         if self.backward is None:
             object.__setattr__(self, "backward", 2.0 * self.forward)
         for half in ("backward_input", "backward_weight"):
             if getattr(self, half) is None:
                 object.__setattr__(self, half, self.backward / 2)
+        _check_times(self, ("forward", "backward", "backward_input", "backward_weight", "forward_nograd"), "a stage")
+
+
+def _check_times(costs, fields, what: str) -> None:
+    """Refuse a time no machine measures (negative, NaN or infinite): the simulator would draw it."""
+    for name in fields:
+        value = getattr(costs, name)
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if not (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{what} cannot take {name}={v!r} seconds: give a finite time >= 0")
 
 
 @dataclass
@@ -93,6 +104,7 @@ class Costs:
             self.input_saved_bytes = [0] * n
         if self.recurrent is None:
             self.recurrent = [False] * n
+        _check_times(self, ("forward", "backward", "backward_input", "backward_weight", "forward_nograd"), "a layer")
 
     def stages(self, placement) -> list[StageCost]:
         """One StageCost per stage of a Placement (or of a list of layer-name lists).
@@ -186,8 +198,10 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     the device: the caller's model stays where it is, with its gradients and mode (a
     live Pipeline keeps its layers on its GPUs).
     """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"need {name} a whole number >= {least}, got {name}={value!r}")
+    check_batch(batch, model.vocab_size)       # the batch a step would accept, named before torch fails inside
     dev = get_device(device)
     micro = batch.split(micro_batches)[0]
     twin = _copy_without_grads(model).to(dev.torch_device).train()

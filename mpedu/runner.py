@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .data import PAD_ID
+
 
 @dataclass
 class StepResult:
@@ -56,15 +58,23 @@ def check_batch(batch, vocab_size: int) -> int:
     if inputs.dim() != 2 or inputs.shape != targets.shape or mask.shape != targets.shape or inputs.numel() == 0:
         raise ValueError(f"a batch needs inputs, targets and mask of one (T, B) shape with T, B >= 1; got "
                          f"{tuple(inputs.shape)}, {tuple(targets.shape)} and {tuple(mask.shape)}")
-    for what, t in (("inputs", inputs), ("targets", targets)):
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise ValueError(f"batch {what} must be integer token ids, got dtype {t.dtype}")
+    for what, t, dtypes in (("inputs", inputs, (torch.int64, torch.int32)), ("targets", targets, (torch.int64,))):
+        if t.dtype not in dtypes:
+            raise ValueError(f"batch {what} must be token ids of dtype {' or '.join(map(str, dtypes))}, got "
+                             f"{t.dtype}" + ("; convert with .long()" if not t.is_floating_point() else ""))
     lo, hi = min(int(inputs.min()), int(targets.min())), max(int(inputs.max()), int(targets.max()))
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"the batch holds token id {bad}, but the model's vocabulary has ids 0..{vocab_size - 1}; "
                          "were the batches made with another vocabulary?")
-    tokens = int(mask.sum())
+    # The loss skips <pad> (id 0) targets whatever the mask says, and is divided by the mask's count:
+    # a mask that disagrees would scale every gradient wrongly, without a word.
+    real = targets != PAD_ID
+    if mask.dtype != torch.bool or not torch.equal(mask, real):
+        raise ValueError(f"the batch's mask must be a bool tensor True exactly where a target is a real token "
+                         f"(targets != {PAD_ID}); got dtype {mask.dtype} with {int(mask.sum())} True against "
+                         f"{int(real.sum())} real targets: make it as targets != {PAD_ID}")
+    tokens = int(real.sum())
     if tokens == 0:
         raise ValueError("the batch has no real (non-padding) target tokens")
     return tokens

@@ -73,8 +73,15 @@ class Timeline:
         self._later.append(build)
 
     def compute(self, device: str | None = None) -> list[Event]:
+        if device is not None:
+            self._known(device)
         return sorted((e for e in self.events if e.kind in COMPUTE and (device is None or e.device == device)),
                       key=lambda e: e.start)
+
+    def _known(self, device) -> None:
+        """A device name this timeline has (a typo would read as an idle device)."""
+        if device not in self.devices:
+            raise ValueError(f"this timeline has no device {device!r}; its devices are {', '.join(self.devices)}")
 
     def collectives(self) -> list[Event]:
         """The all-reduce boxes (data parallelism under torchrun), in time order."""
@@ -107,6 +114,7 @@ class Timeline:
 
     def memory_over_time(self, device: str) -> list[tuple[float, int]]:
         """(time, activation bytes held) after each change on the device, starting at (0, 0)."""
+        self._known(device)
         held, points = 0, [(0.0, 0)]
         for e in sorted((e for e in self.events if e.device == device and e.memory), key=lambda e: e.end):
             held += e.memory

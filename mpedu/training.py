@@ -21,7 +21,7 @@ from .options import check_number
 # the defaults are the tiny recipe's (mpedu.recipes explains them and the learning-rate convention)
 from .recipes import BATCH_SIZE, CLIP, EPOCHS, LR
 from .resume import fresh_totals, restore
-from .runner import StepResult, fitted
+from .runner import Runner, StepResult, fitted
 from .single import SingleDevice
 
 CHECKPOINT_EVERY = 200       # steps (batches) within an epoch; every epoch end too
@@ -158,7 +158,17 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
             raise ValueError(f"lr_decay={lr_decay!r}: expected (first epoch, factor), e.g. (5, 2.0), or None")
         lr_decay = (check_number("lr_decay's first epoch", lr_decay[0], integer=True, minimum=1),
                     check_number("lr_decay's factor", lr_decay[1], above=True))
+    if not all(hasattr(corpus, k) for k in ("train", "vocab", "sentences")):
+        raise TypeError(f"train needs a Corpus (mpedu.load_corpus()), got {type(corpus).__name__}; pass the whole "
+                        "corpus, not one split: its training, validation and test sentences are all used")
     runner = runner or SingleDevice(model)
+    if not isinstance(runner, Runner):
+        raise TypeError(f"runner={runner!r} is not a runner; give a Pipeline or SingleDevice built on this model, "
+                        "e.g. runner=mpedu.Pipeline(model, placement, 'gpipe')")
+    if getattr(runner, "model", model) is not model:
+        raise ValueError("the runner was built on another model than the one given to train (the optimizer "
+                         "would update weights whose gradients never come); build it on this model: "
+                         "Pipeline(model, ...)")
     # built after the runner: the Pipeline moves layers in place, so these are the live Parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     out = Path(out) if out is not None else None

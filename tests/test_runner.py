@@ -78,10 +78,21 @@ def test_check_batch_names_what_is_wrong():
         check_batch(batch.inputs, VOCAB)
     with pytest.raises(ValueError, match=f"ids 0..{VOCAB - 2}"):
         check_batch(batch, VOCAB - 1)                           # token VOCAB - 1 may occur: vocabulary too small
-    with pytest.raises(ValueError, match="integer token ids"):
+    with pytest.raises(ValueError, match="inputs must be token ids of dtype torch.int64 or torch.int32, got "
+                                         "torch.float32"):
         check_batch(dataclasses.replace(batch, inputs=batch.inputs.float()), VOCAB)
+    with pytest.raises(ValueError, match="targets must be token ids of dtype torch.int64, got torch.int32; "
+                                         r"convert with \.long\(\)"):
+        check_batch(dataclasses.replace(batch, targets=batch.targets.int()), VOCAB)
+    check_batch(dataclasses.replace(batch, inputs=batch.inputs.int()), VOCAB)      # int32 ids embed alike
+    real = int((batch.targets != 0).sum())
+    for mask in (torch.ones_like(batch.mask), batch.mask.clone().fill_(False), (batch.targets != 0).long()):
+        with pytest.raises(ValueError, match=f"mask must be a bool tensor True exactly where a target is a real "
+                                             f"token .* against {real} real targets"):
+            check_batch(dataclasses.replace(batch, mask=mask), VOCAB)
+    empty = dataclasses.replace(batch, targets=torch.zeros_like(batch.targets), mask=torch.zeros_like(batch.mask))
     with pytest.raises(ValueError, match="no real"):
-        check_batch(dataclasses.replace(batch, mask=torch.zeros_like(batch.mask)), VOCAB)
+        check_batch(empty, VOCAB)
 
 
 def test_fitted_pads_only_for_a_runner_with_micro_batches():

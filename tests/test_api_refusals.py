@@ -1,0 +1,130 @@
+"""What a learner passes wrongly to the public API is refused at once, in words that name it (a review
+of the API with hostile inputs): nothing trains the wrong weights, scores with a wrong mask, or fails
+deep inside torch."""
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import VOCAB, make_batch, tiny_model
+from mpedu.bucketing import BucketIterator
+from mpedu.memory import memory_report
+from mpedu.model import LSTMLM
+from mpedu.pipeline import Pipeline
+from mpedu.placement import Placement
+from mpedu.planner import plan
+from mpedu.profile import Costs, StageCost, profile
+from mpedu.stage import Stage
+from mpedu.training import train
+
+TWO = "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1"
+
+
+def test_train_refuses_a_runner_built_on_another_model_or_no_runner_at_all(corpus):
+    model, other = (LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab)) for _ in range(2))
+    with Pipeline(other, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", micro_batches=2) as pipe:
+        with pytest.raises(ValueError, match="the runner was built on another model"):
+            train(model, corpus, runner=pipe, epochs=1, limit_batches=1, log=lambda *a: None, progress=False)
+    with pytest.raises(TypeError, match="runner='gpipe' is not a runner"):
+        train(model, corpus, runner="gpipe", epochs=1, progress=False)
+    with pytest.raises(TypeError, match="train needs a Corpus .* got list"):
+        train(model, corpus.train, epochs=1, progress=False)
+
+
+def test_a_second_thread_is_refused_while_a_step_runs():
+    model, batch = tiny_model(), make_batch()
+    slow, original = threading.Event(), Stage.forward
+
+    def slowed(self, *args, **kwargs):
+        slow.set()
+        time.sleep(0.3)
+        return original(self, *args, **kwargs)
+
+    with Pipeline(model, TWO, "gpipe", micro_batches=2) as pipe:
+        reference = pipe.train_step(batch).loss
+        Stage.forward = slowed
+        try:
+            first = {}
+            runner = threading.Thread(target=lambda: first.setdefault("loss", pipe.train_step(batch).loss))
+            runner.start()
+            assert slow.wait(10)
+            with pytest.raises(RuntimeError, match="running a step in another thread"):
+                pipe.train_step(batch)
+            runner.join(30)
+        finally:
+            Stage.forward = original
+        assert first["loss"] == pytest.approx(reference, rel=1e-6)     # the first step was not disturbed
+
+
+def test_profile_checks_the_batch_and_its_counts():
+    model, batch = tiny_model(), make_batch()
+    with pytest.raises(ValueError, match=f"vocabulary has ids 0..{VOCAB - 2}"):
+        profile(LSTMLM.from_config("tiny", VOCAB - 1, num_layers=3), batch)
+    for name, value in (("repeats", 1.5), ("repeats", None), ("warmup", -1), ("repeats", True)):
+        with pytest.raises(ValueError, match=f"need {name} a whole number"):
+            profile(model, batch, **{name: value})
+
+
+@pytest.mark.parametrize("bad", [-5.0, float("nan"), float("inf")])
+def test_costs_refuse_times_no_machine_measures(bad):
+    with pytest.raises(ValueError, match=r"a stage cannot take backward=.* seconds"):
+        StageCost(1.0, backward=bad)
+    good = dict(names=["a", "b"], forward=[1.0, 1.0], backward=[2.0, 2.0], backward_input=[1.0, 1.0],
+                backward_weight=[1.0, 1.0], activation_bytes=[0, 0], output_bytes=[0, 0], param_bytes=[0, 0],
+                shared_bytes=[0, 0], micro_batch=(1, 1))
+    Costs(**good)
+    with pytest.raises(ValueError, match="a layer cannot take forward="):
+        Costs(**{**good, "forward": [1.0, bad]})
+
+
+def test_timelines_and_memory_reports_name_devices_they_do_not_have():
+    model, batch = tiny_model(), make_batch()
+    with Pipeline(model, TWO, "gpipe", micro_batches=2) as pipe:
+        result = pipe.train_step(batch)
+        timeline = result.timeline
+        for method in (timeline.busy, timeline.idle, timeline.peak_memory, timeline.compute):
+            with pytest.raises(ValueError, match="no device 'vgpu0'; its devices are vgpu:0, vgpu:1"):
+                method("vgpu0")
+        # a StepResult reads as its timeline
+        assert memory_report(pipe, result).table() == memory_report(pipe, timeline).table()
+        with pytest.raises(TypeError, match="needs a Pipeline and a training step's timeline, got LSTMLM"):
+            memory_report(model, timeline)
+    with Pipeline(tiny_model(), "embed,lstm0:vgpu2 | lstm1-2,decode:vgpu3", "gpipe", micro_batches=2) as other:
+        with pytest.raises(ValueError, match="the timeline has no device vgpu:2, vgpu:3"):
+            memory_report(other, timeline)
+
+
+def test_devices_and_choices_given_as_one_value(corpus):
+    model = tiny_model()
+    assert [d.name for d in Placement.even(model, "vgpu:1").devices] == ["vgpu:1"]
+    with pytest.raises(ValueError, match="name vgpu:0 twice"):
+        Placement.even(model, ["vgpu:0", "vgpu:0"])
+    with pytest.raises(TypeError, match="devices=True: give a count"):
+        Placement.even(model, True)
+    with pytest.raises(TypeError, match="placement must be"):
+        Pipeline(model, True)
+    with pytest.raises(TypeError, match="vocab_size must be a whole number, got Vocabulary"):
+        LSTMLM.from_config("tiny", vocab_size=corpus.vocab)
+    with pytest.raises(TypeError, match=r"BucketIterator\(corpus.train, batch_size\)"):
+        BucketIterator(corpus, 4)
+
+
+def test_plan_takes_one_value_where_a_tuple_of_choices_goes_and_names_bad_ones():
+    model, batch = tiny_model(), make_batch(B=4)
+    costs = profile(model, batch, micro_batches=2, warmup=0, repeats=1)
+    one = plan(model, batch, ["vgpu:0", "vgpu:1"], costs=costs, schedules="gpipe", micro_batches=2, recompute=None)
+    assert {(c.schedule, c.micro_batches, c.recompute) for c in one.simulated} == {("gpipe", 2, None)}
+    with pytest.raises(ValueError, match="'some' is not a recomputation mode"):
+        plan(model, batch, 2, costs=costs, micro_batches=2, recompute=("some",))
+    with pytest.raises(ValueError, match=r"chunks=\(50,\): the wavefront needs a chunk count from 1 to the batch's 9"):
+        plan(model, batch, 2, costs=costs, micro_batches=2, schedules=("wavefront",), chunks=(50,))
+
+
+def test_a_mask_that_disagrees_with_the_targets_is_refused_by_every_runner():
+    model, batch = tiny_model(), make_batch()
+    wrong = dataclasses.replace(batch, mask=torch.ones_like(batch.mask))
+    with Pipeline(model, TWO, "gpipe", micro_batches=2) as pipe:
+        with pytest.raises(ValueError, match="mask must be a bool tensor True exactly where a target is a real"):
+            pipe.train_step(wrong)
