@@ -151,6 +151,8 @@ class Pipeline:
 
         The loss is the mean NLL per real token of the whole batch: each micro-batch
         adds nll_sum / batch.tokens, so the micro-batch losses add up exactly.
+        A step that raises (an error, Ctrl-C) leaves the pipeline ready for the next one, but the
+        backwards that ran before it stopped have added into `.grad`: zero the gradients first.
         """
         if not all(module.training for module in self.model.modules()):   # (train() itself: 20 us a step)
             self.model.train()

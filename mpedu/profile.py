@@ -118,6 +118,10 @@ class Costs:
         reach every weight: W = W(first of them) + the full backward of the others.
         """
         groups = [names for _, names in placement.stages] if hasattr(placement, "stages") else placement
+        layers = list(getattr(placement, "layer_names", self.names))
+        if layers != list(self.names):
+            raise ValueError(f"these costs cover layers {', '.join(self.names)}, the placement places "
+                             f"{', '.join(layers)}: profile the model this placement is for")
         index = {name: k for k, name in enumerate(self.names)}
         out = []
         for s, names in enumerate(groups):

@@ -53,8 +53,10 @@ def check_batch(batch, vocab_size: int) -> int:
     """
     inputs, targets, mask = (getattr(batch, k, None) for k in ("inputs", "targets", "mask"))
     if not all(torch.is_tensor(t) for t in (inputs, targets, mask)):
-        raise TypeError(f"expected a Batch with tensors inputs, targets and mask, got {type(batch).__name__}; "
-                        "make batches with BucketIterator or StreamIterator")
+        fields = {"inputs": inputs, "targets": targets, "mask": mask}
+        wrong = ", ".join(f"{k} is {type(v).__name__}" for k, v in fields.items() if not torch.is_tensor(v))
+        raise TypeError(f"expected a Batch with tensors inputs, targets and mask, got {type(batch).__name__} "
+                        f"({wrong}); make batches with BucketIterator or StreamIterator")
     if inputs.dim() != 2 or inputs.shape != targets.shape or mask.shape != targets.shape or inputs.numel() == 0:
         raise ValueError(f"a batch needs inputs, targets and mask of one (T, B) shape with T, B >= 1; got "
                          f"{tuple(inputs.shape)}, {tuple(targets.shape)} and {tuple(mask.shape)}")

@@ -55,6 +55,14 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
                              "simulate(pipe, costs) or simulate(schedule, costs, placement)")
         stage_costs = costs.stages(placement)
     else:
+        given = type(costs).__name__
+        try:
+            costs = list(costs)
+        except TypeError:
+            costs = []
+        if not costs:
+            raise ValueError(f"costs: give per-layer Costs (mpedu.profile) or one cost per stage, e.g. [1.0, 1.0]; "
+                             f"got an empty or unusable {given}")
         stage_costs = [c if isinstance(c, StageCost) else StageCost(float(c)) for c in costs]
     if isinstance(schedule, str):
         if micro_batches is None:

@@ -16,6 +16,7 @@ from mpedu.pipeline import Pipeline
 from mpedu.placement import Placement
 from mpedu.planner import plan
 from mpedu.profile import Costs, StageCost, profile
+from mpedu.simulate import simulate
 from mpedu.stage import Stage
 from mpedu.training import train
 
@@ -128,3 +129,30 @@ def test_a_mask_that_disagrees_with_the_targets_is_refused_by_every_runner():
     with Pipeline(model, TWO, "gpipe", micro_batches=2) as pipe:
         with pytest.raises(ValueError, match="mask must be a bool tensor True exactly where a target is a real"):
             pipe.train_step(wrong)
+
+
+def test_simulate_names_costs_of_another_model_or_none():
+    model, other = tiny_model(), tiny_model(num_layers=2)
+    costs = profile(other, make_batch(), micro_batches=2, warmup=0, repeats=1)
+    with pytest.raises(ValueError, match="these costs cover layers embed, lstm0, lstm1, decode, the placement "
+                                         "places embed, lstm0, lstm1, lstm2, decode"):
+        simulate("gpipe", costs, Placement.parse(TWO, model), micro_batches=2)
+    for nothing in ([], None):
+        with pytest.raises(ValueError, match="give per-layer Costs .* or one cost per stage"):
+            simulate("gpipe", nothing, micro_batches=2)
+
+
+def test_measuring_plans_needs_steps_and_two_plans():
+    model, batch = tiny_model(), make_batch(B=4)
+    plans = plan(model, batch, 2, costs=profile(model, batch, micro_batches=2, warmup=0, repeats=1))
+    with pytest.raises(ValueError, match="measure needs steps a whole number >= 1, got steps=0"):
+        plans.measure(model, batch, steps=0)
+    with pytest.raises(ValueError, match="only 1 candidate.*ask for top >= 2"):
+        plans.measure(model, batch, top=1)
+
+
+def test_a_batch_field_that_is_not_a_tensor_is_named():
+    batch = make_batch()
+    with Pipeline(tiny_model(), TWO, "gpipe", micro_batches=2) as pipe:
+        with pytest.raises(TypeError, match=r"got Batch \(inputs is ndarray\)"):
+            pipe.train_step(dataclasses.replace(batch, inputs=batch.inputs.numpy()))
