@@ -131,8 +131,8 @@ def _check_sentences(sentences) -> None:
     if len(sentences) == 0:
         raise ValueError("no sentences to batch: the list is empty")
     for i, s in enumerate(sentences):
-        if not isinstance(s, torch.Tensor) or s.dim() != 1 or len(s) == 0:
-            raise ValueError(f"sentence {i} must be a non-empty 1-D tensor of ids, got {s!r}")
+        if not isinstance(s, torch.Tensor) or s.dim() != 1 or len(s) == 0 or s.dtype != torch.int64:
+            raise ValueError(f"sentence {i} must be a non-empty 1-D tensor of int64 token ids, got {s!r}")
 
 
 def _pad_columns(seqs: list[torch.Tensor], T: int) -> torch.Tensor:
@@ -159,6 +159,9 @@ class BucketIterator:
         self.lengths = [len(s) for s in sentences]
         if buckets is None:
             buckets = default_buckets(self.lengths)
+        if isinstance(buckets, int):
+            raise TypeError(f"buckets={buckets}: give a list of bucket lengths, e.g. [{buckets}], or None for "
+                            "default_buckets")
         if len(buckets) == 0:
             raise ValueError("buckets is empty; give at least one bucket length, or None for default_buckets")
         buckets = [_check_positive("every bucket length", b) for b in buckets]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +163,11 @@ def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = 10_000) -> C
 
     The vocabulary comes from the training split only; unseen valid/test words become <unk>."""
     blank = dict.fromkeys(SPLITS, 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r}: the embedded corpus's seed is a whole number >= 0")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path={path!r}: give a folder (a str or Path) holding {', '.join(FILE_NAMES)}, or None "
+                        "for the embedded corpus")
     if path is None:
         if seed not in _EMBEDDED:
             _EMBEDDED[seed] = synthetic.generate(seed)

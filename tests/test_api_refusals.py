@@ -156,3 +156,16 @@ def test_a_batch_field_that_is_not_a_tensor_is_named():
     with Pipeline(tiny_model(), TWO, "gpipe", micro_batches=2) as pipe:
         with pytest.raises(TypeError, match=r"got Batch \(inputs is ndarray\)"):
             pipe.train_step(dataclasses.replace(batch, inputs=batch.inputs.numpy()))
+
+
+def test_corpus_and_bucket_arguments_of_the_wrong_kind():
+    from mpedu.data import load_corpus
+    with pytest.raises(TypeError, match="path=5: give a folder"):
+        load_corpus(5)
+    with pytest.raises(ValueError, match="seed='a'"):
+        load_corpus(seed="a")
+    sentences = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    with pytest.raises(TypeError, match=r"buckets=10: give a list of bucket lengths, e.g. \[10\]"):
+        BucketIterator(sentences, 2, buckets=10)
+    with pytest.raises(ValueError, match="sentence 1 must be a non-empty 1-D tensor of int64 token ids"):
+        BucketIterator([sentences[0], sentences[1].float()], 2)
