@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 
 from . import synthetic
+from .options import check_number
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 SPECIALS = (PAD, UNK, EOS)
@@ -163,8 +164,7 @@ def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = 10_000) -> C
 
     The vocabulary comes from the training split only; unseen valid/test words become <unk>."""
     blank = dict.fromkeys(SPLITS, 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r}: the embedded corpus's seed is a whole number >= 0")
+    check_number("seed", seed, integer=True)
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path={path!r}: give a folder (a str or Path) holding {', '.join(FILE_NAMES)}, or None "
                         "for the embedded corpus")

@@ -137,6 +137,7 @@ def memory_report(pipe, timeline, optimizer: torch.optim.Optimizer | None = None
     allocates). Optimizer state is read from the optimizer; before its first `step()`, when
     torch has not yet created it, it is worked out by stepping a small copy of the optimizer.
     On a GPU the report also gives the measured peak (`measured_peak`) beside the estimate.
+    `timeline` may also be the StepResult itself.
     """
     timeline = getattr(timeline, "timeline", timeline)     # a StepResult: the step's timeline
     if not hasattr(pipe, "placement") or not hasattr(timeline, "peak_memory"):

@@ -125,7 +125,9 @@ def add_training_options(parser: argparse.ArgumentParser, clip_over: str, resume
                         help=f"SGD learning rate for a loss that is the mean NLL per token (a paper's lr for a "
                              f"loss summed over T time steps is about lr x T here); decayed by the recipe's rule "
                              f"(default: the recipe's; {CONFIG}: {tiny.lr:g}, halved when validation "
-                             f"perplexity gains < 1)" + (". Given on --resume and unlike the run's first lr, it replaces the checkpoint's" if resume else ""))
+                             f"perplexity gains < 1)"
+                             + (". Given on --resume and unlike the run's first lr, it replaces the checkpoint's"
+                                if resume else ""))
     parser.add_argument("--clip", type=non_negative_float,
                         help=f"norm clip over {clip_over}, 0 for none (default: the recipe's; {CONFIG}: "
                              f"{tiny.clip:g})")

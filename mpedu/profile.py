@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import copy
-import math
-import numbers
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields
@@ -14,6 +12,7 @@ from . import dropout
 from .devices import Worker, get_device
 from .footprint import param_sizes
 from .model import nll_sum
+from .options import check_number
 from .runner import check_batch
 from .stage import count_saved, is_recurrent
 
@@ -63,8 +62,7 @@ def _check_times(costs, fields, what: str) -> None:
     for name in fields:
         value = getattr(costs, name)
         for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if not (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{what} cannot take {name}={v!r} seconds: give a finite time >= 0")
+            check_number(f"{what}'s {name} (seconds)", v)
 
 
 @dataclass
@@ -202,9 +200,8 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     the device: the caller's model stays where it is, with its gradients and mode (a
     live Pipeline keeps its layers on its GPUs).
     """
-    for name, value, least in (("repeats", repeats, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"need {name} a whole number >= {least}, got {name}={value!r}")
+    check_number("repeats", repeats, integer=True, minimum=1)
+    check_number("warmup", warmup, integer=True)
     check_batch(batch, model.vocab_size)       # the batch a step would accept, named before torch fails inside
     dev = get_device(device)
     micro = batch.split(micro_batches)[0]

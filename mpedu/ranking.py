@@ -5,6 +5,8 @@ import itertools
 import statistics
 from dataclasses import dataclass
 
+from .options import check_number
+
 
 @dataclass
 class Measurement:
@@ -45,9 +47,8 @@ def measure(candidates, model, batch, steps: int = 3, warmup: int = 1, rounds=No
     rounds: how to run the measured rounds, `rounds(one_round, steps)`, where `one_round(r)` runs round r
     and returns a function that forgets it (a benchmark waits for a quiet machine and runs again a round
     that other work disturbed); None runs them one after another."""
-    for name, value, least in (("steps", steps, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"measure needs {name} a whole number >= {least}, got {name}={value!r}")
+    check_number("steps", steps, integer=True, minimum=1)
+    check_number("warmup", warmup, integer=True)
     if len(candidates) < 2:
         raise ValueError(f"only {len(candidates)} candidate(s) to measure; a ranking needs two or more "
                          "(ask for top >= 2, raise the memory cap, or allow more schedules)")
