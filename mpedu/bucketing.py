@@ -182,6 +182,9 @@ class BucketIterator:
         # One padded (b, n_b) tensor pair per bucket; a batch is a choice of columns.
         self._data = {b: (_pad_columns([x for x, _ in items], b), _pad_columns([y for _, y in items], b))
                       for b, items in pieces.items() if items}
+        if drop_last and len(self) == 0:
+            raise ValueError(f"drop_last=True leaves no batch: no bucket holds {self.batch_size} sentences; use a "
+                             "smaller batch_size, fewer buckets, or drop_last=False")
 
     def set_epoch(self, epoch: int) -> None:
         """The shuffle depends only on (seed, epoch), so a run can be repeated or resumed."""

@@ -65,6 +65,8 @@ def atomic_write(path, write: Callable, *, binary: bool = True) -> None:
     file-size limit) raises OSError naming `path`, and the old file stays as it was.
     """
     path = Path(path)
+    if not path.parent.is_dir():        # else mkstemp's error would name the temp file, not the folder
+        raise FileNotFoundError(errno.ENOENT, f"no folder {path.parent} to write {path.name} into", str(path))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb" if binary else "w") as f:

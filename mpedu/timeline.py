@@ -149,6 +149,9 @@ class Timeline:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Timeline":
+        if not isinstance(d, dict) or not {"devices", "events"} <= d.keys():
+            raise ValueError("not a timeline: expected a dict with 'devices' and 'events', as to_dict() and "
+                             "<stem>.timeline.json hold")
         return cls(list(d["devices"]), [Event(**e) for e in d["events"]], d.get("source", "measured"))
 
     def to_json(self, path) -> None:

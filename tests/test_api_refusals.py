@@ -169,3 +169,17 @@ def test_corpus_and_bucket_arguments_of_the_wrong_kind():
         BucketIterator(sentences, 2, buckets=10)
     with pytest.raises(ValueError, match="sentence 1 must be a non-empty 1-D tensor of int64 token ids"):
         BucketIterator([sentences[0], sentences[1].float()], 2)
+
+
+def test_no_batch_at_all_a_missing_folder_and_a_foreign_dict_are_named(tmp_path):
+    from mpedu.timeline import Timeline
+    sentences = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    with pytest.raises(ValueError, match="drop_last=True leaves no batch: no bucket holds 4 sentences"):
+        BucketIterator(sentences, 4, drop_last=True)
+    assert len(BucketIterator(sentences, 4)) >= 1            # without drop_last the sentences are batched
+    timeline = Timeline(["vgpu:0"])
+    with pytest.raises(FileNotFoundError, match=f"no folder {tmp_path / 'missing'} to write step.json into"):
+        timeline.to_json(tmp_path / "missing" / "step.json")
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="not a timeline: expected a dict with 'devices' and 'events'"):
+        Timeline.from_dict({"a": 1})
