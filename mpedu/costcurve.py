@@ -4,9 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .profile import Costs, profile
+from .profile import TIME_FIELDS, Costs, profile
 
-_TIMES = ("forward", "backward", "backward_input", "backward_weight", "forward_nograd")
 _BYTES = ("activation_bytes", "output_bytes", "shared_bytes", "input_saved_bytes")
 
 
@@ -89,7 +88,7 @@ class CostCurve:
         n, base = len(self.names), self.widths[0]
         length = T / chunks
         d = base.to_dict()
-        for key in _TIMES:
+        for key in TIME_FIELDS:
             d[key] = [chunks * self._in_b(key, k, b) * self._in_T(key, k, length, b) for k in range(n)]
         for key in _BYTES:
             d[key] = [int(round(chunks * self._in_b(key, k, b) * self._in_T(key, k, length, b))) for k in range(n)]

@@ -16,6 +16,9 @@ from .options import check_number
 from .runner import check_batch
 from .stage import count_saved, is_recurrent
 
+# the fields of StageCost and Costs that are seconds (CostCurve scales them with the shape)
+TIME_FIELDS = ("forward", "backward", "backward_input", "backward_weight", "forward_nograd")
+
 
 @dataclass(frozen=True)
 class StageCost:
@@ -54,12 +57,12 @@ class StageCost:
         for half in ("backward_input", "backward_weight"):
             if getattr(self, half) is None:
                 object.__setattr__(self, half, self.backward / 2)
-        _check_times(self, ("forward", "backward", "backward_input", "backward_weight", "forward_nograd"), "a stage")
+        _check_times(self, "a stage")
 
 
-def _check_times(costs, fields, what: str) -> None:
+def _check_times(costs, what: str) -> None:
     """Refuse a time no machine measures (negative, NaN or infinite): the simulator would draw it."""
-    for name in fields:
+    for name in TIME_FIELDS:
         value = getattr(costs, name)
         for v in (value if isinstance(value, (list, tuple)) else [value]):
             check_number(f"{what}'s {name} (seconds)", v)
@@ -102,7 +105,7 @@ class Costs:
             self.input_saved_bytes = [0] * n
         if self.recurrent is None:
             self.recurrent = [False] * n
-        _check_times(self, ("forward", "backward", "backward_input", "backward_weight", "forward_nograd"), "a layer")
+        _check_times(self, "a layer")
 
     def stages(self, placement) -> list[StageCost]:
         """One StageCost per stage of a Placement (or of a list of layer-name lists).
