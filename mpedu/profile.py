@@ -296,7 +296,8 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
             t1 = time.perf_counter()
             grad = None if k == last else torch.ones_like(y)
             leaves = [x] if x.requires_grad else []
-            torch.autograd.backward([y], [grad], inputs=leaves + weights)   # fused B + W
+            if leaves or weights:           # (a frozen layer on token ids has no backward at all)
+                torch.autograd.backward([y], [grad], inputs=leaves + weights)   # fused B + W
             sync()
             t2 = time.perf_counter()
             x, y = forward(k, inputs[k])

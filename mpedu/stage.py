@@ -209,10 +209,12 @@ class Stage:
         for name, layer in zip(self.names, self.layers):
             state = previous.get(name)
             if state is not None:
-                # chunk > 0: the state is a leaf whose grad goes back to chunk - 1.
-                # Carried across steps (stream mode): a leaf without grad (the graph is cut).
-                state = tuple(t.detach().requires_grad_(train and chunk > 0) for t in state)
-                if train and chunk > 0:
+                # chunk > 0: the state is a leaf whose grad goes back to chunk - 1, if anything there wants one
+                # (the layer trains, or its input leads back to a weight): a frozen layer on token ids would
+                # only keep a graph no backward uses. Carried across steps (stream mode): a leaf without grad.
+                wanted = train and chunk > 0 and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
+                state = tuple(t.detach().requires_grad_(wanted) for t in state)
+                if wanted:
                     state_in += list(state)
             x, state = layer(x, state)
             if state is not None:
