@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import schedules
-from .devices import get_device, get_devices
+from .devices import get_device, get_devices, parse_size
 from .footprint import recompute_modes, stage_footprint
 from .placement import Placement
 from .profile import Costs, profile
@@ -151,6 +151,13 @@ def balance_by_time(model, batch, devices, micro_batches: int = 1, memory_cap: f
     if memory_cap is None:
         return to_placement(model, balance(time_per_layer, len(devs), names=costs.names), devs)
     _check(time_per_layer, "costs_per_layer", costs.names)
+    memory_cap = parse_size(memory_cap)
+    T, B = batch.inputs.shape
+    if tuple(costs.micro_batch) != (T, B // micro_batches):
+        # a micro-batch of another shape saves other activation bytes: the cap test would pass splits that do not fit
+        raise ValueError(f"costs were profiled on micro-batches of (T, b) = {tuple(costs.micro_batch)}, but "
+                         f"{micro_batches} micro-batch{'es' if micro_batches != 1 else ''} of this batch are "
+                         f"{(T, B // micro_batches)}: profile with micro_batches={micro_batches} (or leave costs out)")
     p, n = len(devs), len(costs.names)
     if p > n:
         raise ValueError(f"{p} devices but only {n} layers: every device needs at least one layer; use p <= {n}")
@@ -168,10 +175,12 @@ def balance_by_time(model, batch, devices, micro_batches: int = 1, memory_cap: f
     found = min_max_split(n, p, lambda i, j, k: float("inf") if _over(need(i, j, k), memory_cap) else S[j] - S[i])
     if found is None:
         smallest = min_max_split(n, p, need)[0]
-        raise ValueError(f"no split of {n} layers over {p} devices keeps every device within "
-                         f"memory_cap={_size(memory_cap)} under {schedule} with {micro_batches} micro-batches: "
-                         f"the smallest cap that fits is {_size(smallest)}; raise the cap, use more devices, "
-                         "or recompute activations (recompute='all')")
+        recomputing = all(m == "all" for m in mode)
+        raise ValueError(f"no split of {n} layers over {p} device{'s' if p != 1 else ''} keeps every device within "
+                         f"memory_cap={_size(memory_cap)} under {schedule} with {micro_batches} micro-batch"
+                         f"{'es' if micro_batches != 1 else ''}: the smallest cap that fits is {_size(smallest)}; "
+                         "raise the cap" + (" or use more devices" if recomputing else
+                                            ", use more devices, or recompute activations (recompute='all')"))
     return to_placement(model, found[1], devs)
 
 

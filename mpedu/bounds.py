@@ -22,16 +22,19 @@ def held_units(schedule: Schedule) -> list[list[list[tuple[int, int]]]]:
     return out
 
 
-def memory_floor(stage_costs, stage_devices, held, recompute, chunks) -> int:
+def memory_floor(stage_costs, stage_devices, held, recompute, chunks, optimizer_bytes_per_param=0.0) -> int:
     """A cheap lower bound on the largest device's footprint (mpedu.footprint has the real count):
-    weights, gradients, and the units held after each forward at the bytes they keep (all of their
-    activations, or with recomputation their input only). Without recomputation this is the peak."""
+    weights, gradients, optimizer state, and the units held after each forward at the bytes they keep
+    (all of their activations, or with recomputation their input only). Without recomputation this is
+    the peak."""
     def kept(c):
         return (c.activation_bytes if recompute is None else min(c.input_bytes, c.activation_bytes)) / chunks
 
     worst = 0.0
     for d, vectors in enumerate(held):
-        fixed = sum(c.param_bytes + c.trainable_bytes for s, c in enumerate(stage_costs) if stage_devices[s] == d)
+        trains = sum(c.trainable_bytes for s, c in enumerate(stage_costs) if stage_devices[s] == d)
+        fixed = (sum(c.param_bytes for s, c in enumerate(stage_costs) if stage_devices[s] == d) + trains
+                 + int(optimizer_bytes_per_param * trains))
         act = max((sum(units * kept(stage_costs[s]) for s, units in v) for v in vectors), default=0.0)
         worst = max(worst, fixed + act)
     return int(worst)

@@ -175,7 +175,7 @@ def predict(candidate: Candidate, costs: CostCurve, T: int, B: int, link=None, c
 def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None = None, *,
          schedules: tuple[str, ...] = SCHEDULES, recompute: tuple = RECOMPUTE, micro_batches=None,
          chunks: tuple[int, ...] = (2, 4), cores: float | None = None, link=None, should_stop=None,
-         **profile_args) -> Plans:
+         optimizer_bytes_per_param: float = 0.0, **profile_args) -> Plans:
     """Search partitions, schedules, micro-batch counts and recomputation for `model` on `batch`
     over `devices` (a count or names), and return the Pareto front of step time against the
     largest device's peak memory.
@@ -184,7 +184,9 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     `Plans.best`. costs: a CostCurve (profile_curve) or one Costs (then other micro-batch
     widths are scaled in proportion); None profiles every width the search needs on the first
     device (slow for big models: profile once and pass it). micro_batches: the counts to try
-    (default: every divisor of the batch width). cores and link go to simulate.
+    (default: every divisor of the batch width); chunks: the wavefront's time-chunk counts (those over
+    the batch's T are skipped). cores and link go to simulate. optimizer_bytes_per_param: optimizer state
+    per byte of trainable weights in every footprint (SGD 0, momentum 1, Adam 2).
     should_stop: a function of no arguments, asked before each candidate is simulated; when it
     returns true the search raises PlanStopped (a search in the background, cancelled because a
     newer one waits).
@@ -212,7 +214,12 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
         raise ValueError(f"unknown schedule {unknown[0]!r}; the planner knows {', '.join(SCHEDULES)}")
     for mode in recompute:
         check_mode(mode, "recompute")
-    if "wavefront" in schedules and not any(isinstance(c, int) and 1 <= c <= T for c in chunks):
+    if not schedules or not recompute:
+        raise ValueError(_why_none(schedules, recompute, ms, p, n))
+    odd = [c for c in chunks if isinstance(c, bool) or not isinstance(c, int) or c < 1]
+    if odd:
+        raise ValueError(f"chunks={tuple(chunks)}: {odd[0]!r} is not a time-chunk count; give whole numbers >= 1")
+    if "wavefront" in schedules and not any(c <= T for c in chunks):
         raise ValueError(f"chunks={tuple(chunks)}: the wavefront needs a chunk count from 1 to the batch's "
                          f"{T} time steps; give such counts, or leave 'wavefront' out of schedules")
     cap = parse_size(memory_cap) if isinstance(memory_cap, str) else memory_cap
@@ -226,7 +233,10 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
         raise ValueError(f"the costs cover layers {curve.names}, the model has {names}: profile this model")
 
     start = time.perf_counter()
-    candidates = list(_enumerate(names, devs, ms, curve, schedules, recompute, chunks, T, B, cores))
+    candidates = list(_enumerate(names, devs, ms, curve, schedules, recompute, chunks, T, B, cores,
+                                 optimizer_bytes_per_param))
+    if not candidates:
+        raise ValueError(_why_none(schedules, recompute, ms, p, n))
     candidates.sort(key=lambda c: (c.bound, c.memory_floor))
     simulated: list[Candidate] = []
     # every simulated candidate's step time, sorted, and the smallest peak among those up to each one
@@ -293,6 +303,7 @@ class _Option:
     stage_costs: list[StageCost]
     memory_floor: int               # <= the footprint model's peak (exact without recomputation)
     bound: float                    # <= the simulated step time
+    optimizer: float = 0.0          # optimizer state per byte of trainable weights
 
 
 def _compositions(n: int, k: int):
@@ -302,7 +313,7 @@ def _compositions(n: int, k: int):
         yield [edges[i + 1] - edges[i] for i in range(k)]
 
 
-def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options, T, B, cores):
+def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options, T, B, cores, optimizer=0.0):
     p, n = len(devs), len(names)
     layouts = [(list(range(p)), counts) for counts in _compositions(n, p)]
     interleaved = []
@@ -338,14 +349,34 @@ def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options,
                         if rc == "all-but-last" and m == 1:
                             continue                    # its one micro-batch is the last: the same as None
                         yield _Option(placement, sched, m, chunks, rc, costs, stage_costs,
-                                      memory_floor(stage_costs, stage_devices, held, rc, chunks),
-                                      time_bound(sched, stage_costs, p, cores, rc))
+                                      memory_floor(stage_costs, stage_devices, held, rc, chunks, optimizer),
+                                      time_bound(sched, stage_costs, p, cores, rc), optimizer)
+
+
+def _why_none(schedules, recompute, ms, p: int, n: int) -> str:
+    """Why the choices leave no candidate at all."""
+    if not schedules or not recompute:
+        return (f"nothing to search: schedules={tuple(schedules)}, recompute={tuple(recompute)}; give at least "
+                "one of each (recompute=(None,) keeps activations)")
+    reasons = []
+    if "interleaved" in schedules:
+        unmet = ([f"2 or more devices (here {p})"] if p < 2 else []) + (
+            [f"2 layers per device ({n} layers for {p} devices)"] if n < 2 * p else []) + (
+            [f"a micro-batch count divisible by {p} (tried {', '.join(map(str, ms))})"]
+            if not any(m % p == 0 for m in ms) else [])
+        if unmet:
+            reasons.append("interleaved needs " + " and ".join(unmet))
+    if set(recompute) == {"all-but-last"}:
+        reasons.append("all-but-last recomputation needs 2 or more micro-batches (with 1 it is no recomputation)")
+    return ("no candidate to search for schedules=" + repr(tuple(schedules)) + ": " + "; ".join(reasons)
+            + "; add other schedules, micro-batch counts or recomputation modes")
 
 
 def _footprint(option: _Option) -> tuple[int, ...]:
     """Peak bytes per device, from the one memory model."""
     return tuple(f.total for f in device_footprints(option.costs, option.placement, option.schedule_obj,
-                                                    recompute=option.recompute))
+                                                    recompute=option.recompute,
+                                                    optimizer_bytes_per_param=option.optimizer))
 
 
 def _predict(option: _Option, link, cores, cap, totals=None) -> Candidate:

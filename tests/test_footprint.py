@@ -144,6 +144,16 @@ def test_balance_by_time_keeps_each_stage_under_the_cap_by_the_same_model():
     fits = balance_by_time(model, batch, devices, micro_batches=4, costs=costs, memory_cap=smallest[None] - 1,
                            recompute="all")
     assert all(f.total < smallest[None] for f in device_footprints(costs, fits, plan, "all"))
+    # a cap as text, as Pipeline and plan take it; already recomputing, the message does not suggest it again
+    as_text = balance_by_time(model, batch, devices, micro_batches=4, costs=costs, memory_cap=f"{cap}B")
+    assert str(as_text) == str(capped)
+    with pytest.raises(ValueError, match=r"raise the cap or use more devices$"):
+        balance_by_time(model, batch, devices, micro_batches=4, costs=costs, memory_cap=smallest["all"] - 1,
+                        recompute="all")
+    # costs of another micro-batch shape would size the activations wrongly: refused, not used
+    with pytest.raises(ValueError, match=r"profiled on micro-batches of \(T, b\) = \(9, 2\), but 2 micro-batches "
+                                         r"of this batch are \(9, 4\): profile with micro_batches=2"):
+        balance_by_time(model, batch, devices, micro_batches=2, costs=costs, memory_cap=cap)
 
 
 def _smallest_cap(costs, plan, mode) -> int:

@@ -119,6 +119,40 @@ def test_bad_arguments_are_explained(model, curve):
         plan(model, batch, 2, costs=curve, schedules=("pipedream",))
     with pytest.raises(ValueError, match="every device needs one"):
         plan(model, batch, 6, costs=curve)
+    # choices that leave nothing to search are named (an IndexError before)
+    with pytest.raises(ValueError, match=r"nothing to search: schedules=\(\)"):
+        plan(model, batch, 2, costs=curve, schedules=())
+    with pytest.raises(ValueError, match=r"interleaved needs a micro-batch count divisible by 2 \(tried 1\)"):
+        plan(model, batch, 2, costs=curve, schedules="interleaved", micro_batches=1)
+    with pytest.raises(ValueError, match="all-but-last recomputation needs 2 or more micro-batches"):
+        plan(model, batch, 2, costs=curve, schedules="gpipe", recompute="all-but-last", micro_batches=1)
+    with pytest.raises(ValueError, match="0 is not a time-chunk count"):
+        plan(model, batch, 2, costs=curve, chunks=(0, 2))
+
+
+def test_optimizer_state_counts_in_every_footprint_and_floor(model, curve):
+    """With Adam's two moments (2 bytes per trainable byte) every plan holds 2 x its gradients more, the
+    memory floor stays below the footprint, and a cap that SGD's best plan met can rule it out."""
+    batch = make_batch(T=9, B=8)
+    sgd, adam = (plan(model, batch, 2, costs=curve, optimizer_bytes_per_param=k) for k in (0, 2))
+    for c in adam.simulated:
+        grads = device_footprints(curve.at(9, 8 // c.micro_batches, c.chunks), c.placement,
+                                  schedule_of(c), recompute=c.recompute)
+        assert c.device_bytes == tuple(f.total + 2 * f.gradients for f in grads)
+    same = next(c for c in adam.simulated if c.label == sgd.best.label and c.placement == sgd.best.placement)
+    assert same.peak_bytes > sgd.best.peak_bytes
+    from mpedu.devices import get_devices
+    for c in _enumerate(model.layer_names, get_devices(2), [1, 2, 4, 8], curve, SCHEDULES, RECOMPUTE, (2, 4), 9, 8,
+                        None, 2.0):
+        fp = device_footprints(c.costs, c.placement, c.schedule_obj, recompute=c.recompute, optimizer_bytes_per_param=2)
+        assert c.memory_floor <= max(f.total for f in fp)
+    with pytest.raises(ValueError, match="no plan fits"):
+        plan(model, batch, 2, costs=curve, optimizer_bytes_per_param=2, memory_cap=sgd.front[-1].peak_bytes)
+
+
+def schedule_of(candidate):
+    from mpedu.schedules import make
+    return make(candidate.schedule, candidate.placement.stage_devices, candidate.micro_batches, candidate.chunks)
 
 
 def test_predict_epoch_sums_one_simulation_per_shape(model, curve):
