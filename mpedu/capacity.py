@@ -1,6 +1,8 @@
 """Will it fit? The memory a placement and schedule need per device (mpedu.footprint), checked before a step."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import dropout, schedules
@@ -17,16 +19,23 @@ class MemoryCapError(ValueError):
     """A step would need more memory on a device than its memory_cap; the message says what fits."""
 
 
-def layer_sizes(stages, micro, chunk_bounds, model) -> Costs:
-    """The bytes of every layer for mpedu.footprint, from a dry run of the stages' forwards (on their own
-    devices) on one micro-batch `micro`, cut to its longest time chunk: a Costs with no times.
-
-    Scaled to the whole sequence (footprint gives a unit 1/chunks of it), so a unit weighs what
-    the longest chunk saves. Counted as a training step counts them (Stage's saved-tensor hooks):
-    not the weights, nor the step's token ids and targets.
+def layer_sizes(stages, micro, chunk_bounds, model) -> list[Costs]:
+    """The bytes of every layer for mpedu.footprint, per time chunk: from a dry run of the stages'
+    forwards (on their own devices) on one micro-batch `micro` cut to each chunk length, a Costs with
+    no times for each chunk in `chunk_bounds` (chunks of one length share one; T not a multiple of
+    the chunk count gives two lengths, and a recurrent layer's saved bytes are not proportional to
+    the length). Counted as a training step counts them (Stage's saved-tensor hooks): not the
+    weights, nor the step's token ids and targets.
     """
-    lo, hi = max(chunk_bounds, key=lambda b: b[1] - b[0])
-    c = len(chunk_bounds)
+    by_length: dict[int, Costs] = {}
+    for lo, hi in chunk_bounds:
+        if hi - lo not in by_length:
+            by_length[hi - lo] = _chunk_sizes(stages, micro, lo, hi, model)
+    return [by_length[hi - lo] for lo, hi in chunk_bounds]
+
+
+def _chunk_sizes(stages, micro, lo: int, hi: int, model) -> Costs:
+    """layer_sizes for the time steps lo..hi-1 of `micro`."""
     held, storages, outputs, input_saved = [], [], [], []
     cuda = sorted({s.device.torch_device.index or 0 for s in stages if s.device.is_cuda})
     # the dry run must not move the generators a real step (dropout) draws from; its dropout is positional,
@@ -47,10 +56,19 @@ def layer_sizes(stages, micro, chunk_bounds, model) -> Costs:
     shared = [0] + [sum(n for ptr, n in storages[k].items() if ptr in storages[k - 1]) for k in range(1, len(names))]
     params, trainable = param_sizes(model, names)
     zeros = [0.0] * len(names)
-    return Costs(names, zeros, zeros, zeros, zeros, [sum(s.values()) * c for s in storages],
-                 [b * c for b in outputs], params, [b * c for b in shared],
+    return Costs(names, zeros, zeros, zeros, zeros, [sum(s.values()) for s in storages], outputs, params, shared,
                  micro_batch=(hi - lo, micro.inputs.shape[1]), device=stages[0].device.name,
-                 trainable_bytes=trainable, input_saved_bytes=[b * c for b in input_saved])
+                 trainable_bytes=trainable, input_saved_bytes=input_saved)
+
+
+def whole_sequence(chunk_sizes: list[Costs]) -> Costs:
+    """One Costs for a whole micro-batch from layer_sizes' per-chunk ones: their bytes added up (what a
+    footprint given `chunks` divides among the units again)."""
+    first = chunk_sizes[0]
+    total = {key: [sum(getattr(c, key)[k] for c in chunk_sizes) for k in range(len(first.names))]
+             for key in ("activation_bytes", "output_bytes", "shared_bytes", "input_saved_bytes")}
+    return dataclasses.replace(first, **total, micro_batch=(sum(c.micro_batch[0] for c in chunk_sizes),
+                                                             first.micro_batch[1]))
 
 
 def check_memory(footprints: list[Footprint], sizes: Costs, placement: Placement, schedule: Schedule,

@@ -100,11 +100,11 @@ class Footprint:
         return f"{self.device}: {format_size(self.total)} = {self.parts()}{cap}"
 
 
-def peak_held(row, unit_bytes: Callable[[int, int], tuple[float, float]], split=()) -> tuple[float, int]:
+def peak_held(row, unit_bytes: Callable[[int, int, int], tuple[float, float]], split=()) -> tuple[float, int]:
     """The one loop that counts what a schedule holds: walk one device's actions in the order it runs
     them and return (most bytes held at once, most units held at once).
 
-    unit_bytes(stage, mb) -> (kept, full): what a (micro-batch, chunk) unit holds from its F to its
+    unit_bytes(stage, mb, chunk) -> (kept, full): what a (micro-batch, chunk) unit holds from its F to its
     backward, and while its backward runs. kept == full without recomputation; with it, kept is the
     stage's input and the backward first rebuilds `full`. A unit is freed by its B, or by its W on a
     stage in `split` (zero-bubble: B keeps the graph for W).
@@ -115,13 +115,13 @@ def peak_held(row, unit_bytes: Callable[[int, int], tuple[float, float]], split=
     for a in row:
         key = (a.stage, a.mb, a.chunk)
         if a.kind == "F":
-            kept, _ = unit_bytes(a.stage, a.mb)
+            kept, _ = unit_bytes(a.stage, a.mb, a.chunk)
             holding[key] = kept
             held += kept
             units += 1
             peak_units = max(peak_units, units)
         elif a.kind == "B":
-            kept, full = unit_bytes(a.stage, a.mb)
+            kept, full = unit_bytes(a.stage, a.mb, a.chunk)
             if full != kept and key in holding:          # the re-run forward rebuilds the saved tensors
                 held += full - holding[key]
                 holding[key] = full
@@ -136,17 +136,22 @@ def peak_held(row, unit_bytes: Callable[[int, int], tuple[float, float]], split=
     return peak, peak_units
 
 
-def unit_bytes(stage_costs, modes, micro_batches: int, chunks: int = 1):
-    """unit_bytes(stage, mb) -> (kept, full) for peak_held, from StageCosts of one full-sequence micro-batch."""
-    def sizes(s: int, mb: int) -> tuple[float, float]:
-        c = stage_costs[s]
-        full = c.activation_bytes / chunks
+def unit_bytes(stage_costs, modes, micro_batches: int, chunks: int = 1, per_chunk=None):
+    """unit_bytes(stage, mb, chunk=0) -> (kept, full) for peak_held, from StageCosts of one full-sequence
+    micro-batch (a unit holds 1/chunks of it), or `per_chunk`: for each time chunk, the StageCosts of that
+    chunk alone (chunks of unequal lengths hold unequal bytes)."""
+    def sizes(s: int, mb: int, chunk: int = 0) -> tuple[float, float]:
+        if per_chunk is not None:
+            c, share = per_chunk[chunk][s], 1
+        else:
+            c, share = stage_costs[s], chunks
+        full = c.activation_bytes / share
         if not recomputes(modes[s], mb, micro_batches):
             return full, full
         # held between F and B: the input only; while the backward runs, the rebuilt activations
         # and the input (counted once where the first layer saves the input itself)
-        kept = c.input_bytes / chunks
-        return kept, full + kept - min(c.input_saved_bytes / chunks, kept)
+        kept = c.input_bytes / share
+        return kept, full + kept - min(c.input_saved_bytes / share, kept)
     return sizes
 
 
@@ -164,7 +169,8 @@ def device_footprints(costs, placement, schedule, recompute=None, optimizer_byte
 
     With time chunks (wavefront) a chunk saves more than 1/chunks of the whole sequence (each
     chunk's recurrent state comes in and is saved again): `chunk_costs`, profiled on one chunk's
-    length (the batch cut to its first T/c steps), gives a unit's bytes as measured.
+    length (the batch cut to its first T/c steps), gives a unit's bytes as measured; a list of
+    them, one per time chunk, gives each chunk its own (T not a multiple of the chunk count).
     """
     stage_costs = costs.stages(placement)
     stages = placement.stages
@@ -172,8 +178,13 @@ def device_footprints(costs, placement, schedule, recompute=None, optimizer_byte
         raise ValueError(f"the placement has {len(stage_costs)} stages but schedule {schedule.name!r} has "
                          f"{schedule.num_stages}; build the schedule from placement.stage_devices")
     modes = recompute_modes(recompute, len(stages))
-    sizes = (unit_bytes(chunk_costs.stages(placement), modes, schedule.micro_batches, 1) if chunk_costs is not None
-             else unit_bytes(stage_costs, modes, schedule.micro_batches, schedule.chunks))
+    if chunk_costs is None:
+        sizes = unit_bytes(stage_costs, modes, schedule.micro_batches, schedule.chunks)
+    else:
+        each = list(chunk_costs) if isinstance(chunk_costs, (list, tuple)) else [chunk_costs] * schedule.chunks
+        if len(each) != schedule.chunks:
+            raise ValueError(f"chunk_costs gives {len(each)} time chunks, the schedule runs {schedule.chunks}")
+        sizes = unit_bytes(stage_costs, modes, schedule.micro_batches, per_chunk=[c.stages(placement) for c in each])
     names = [d.name for d in placement.devices]
     fixed = {name: [0, 0] for name in names}
     for (device, _), c in zip(stages, stage_costs):

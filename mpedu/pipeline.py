@@ -188,8 +188,9 @@ class Pipeline:
         keeps none) and short-lived buffers inside an op."""
         check_batch(batch, self.model.vocab_size)
         plan = self._plan(batch)
-        return footprint.device_footprints(self._layer_sizes(batch, plan), self.placement, self.schedule,
-                                           self.recompute, caps=self.memory_cap)
+        sizes = self._layer_sizes(batch, plan)              # per time chunk
+        return footprint.device_footprints(sizes[0], self.placement, self.schedule, self.recompute,
+                                           caps=self.memory_cap, chunk_costs=sizes)
 
     def _layer_sizes(self, batch, plan: "BucketPlan"):
         if plan.sizes is None:
@@ -233,8 +234,8 @@ class Pipeline:
         plan = self._plan(batch)
         if train and self.memory_cap and not plan.memory_checked:
             # before the step: nothing has run yet
-            capacity.check_memory(self.memory_estimate(batch), plan.sizes, self.placement, self.schedule,
-                                  self.recompute, self.memory_cap, (plan.T, plan.B))
+            capacity.check_memory(self.memory_estimate(batch), capacity.whole_sequence(plan.sizes), self.placement,
+                                  self.schedule, self.recompute, self.memory_cap, (plan.T, plan.B))
             plan.memory_checked = True
         plan.steps += 1
         micro = streams.MicroBatches(batch, self.micro_batches, plan.chunk_bounds,
@@ -399,7 +400,7 @@ class BucketPlan:
     micro_batch: int
     chunk_bounds: list[tuple[int, int]]
     steps: int = 0      # how many steps used this plan
-    sizes: object | None = None      # the layers' bytes (a Costs without times) for memory_estimate
+    sizes: list | None = None        # the layers' bytes per time chunk (Costs without times) for memory_estimate
     memory_checked: bool = False
 
     def __str__(self) -> str:

@@ -176,7 +176,7 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
     sizes = unit_bytes(stage_costs, modes or [None] * n, m, chunks)
 
     def change(a) -> int:
-        kept, full = (round(x) for x in sizes(a.stage, a.mb))
+        kept, full = (round(x) for x in sizes(a.stage, a.mb, a.chunk))
         if a.kind == "F":
             return kept
         if a.kind == "W" or (a.kind == "B" and a.stage not in split):
@@ -187,7 +187,7 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
         if rerun(a):           # the R part takes the forward's share of the action's time
             f, b = per_kind["F"][a.stage], per_kind["B"][a.stage]
             split_at = start + (end - start) * (f / (f + b) if f + b > 0 else 0.0)
-            kept, full = (round(x) for x in sizes(a.stage, a.mb))
+            kept, full = (round(x) for x in sizes(a.stage, a.mb, a.chunk))
             events.append(Event(names[d], "R", a.stage, a.mb, start, split_at, a.chunk, memory=full - kept))
             start = split_at
         events.append(Event(names[d], a.kind, a.stage, a.mb, start, end, a.chunk, memory=change(a)))
@@ -258,8 +258,8 @@ def peak_in_flight(timeline: Timeline, stage_bytes: Sequence[float] | None = Non
     GPipe holds all m on every device; 1F1B holds at most p - s on stage s.
     """
     split = {e.stage for e in timeline.events if e.kind == "W"}
-    weight = (lambda s, mb: (1.0, 1.0)) if stage_bytes is None else (     # noqa: E731
-        lambda s, mb: (float(stage_bytes[s]),) * 2)
+    weight = (lambda s, mb, chunk: (1.0, 1.0)) if stage_bytes is None else (     # noqa: E731
+        lambda s, mb, chunk: (float(stage_bytes[s]),) * 2)
     return {d: peak_held(timeline.compute(d), weight, split)[0] for d in timeline.devices}
 
 
