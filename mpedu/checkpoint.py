@@ -9,6 +9,7 @@ import random
 import re
 import time
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -117,7 +118,7 @@ def _pickled_callables(path: Path) -> list[str]:
 def _load(path, kind: str) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"no {kind} at {path}")
+        raise CheckpointError(f"no {kind} at {path}" + (" (a folder of that name)" if path.is_dir() else ""))
     try:
         with warnings.catch_warnings():   # torch warns about odd pickle protocols: noise for a file we refuse anyway
             warnings.simplefilter("ignore")
@@ -125,6 +126,7 @@ def _load(path, kind: str) -> dict:
             # other Python callable (os.system, ...) is refused before anything runs
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        _check_crc(path, kind)         # a damaged byte can mangle a name into one that looks foreign
         # Only a pickle that names a Python callable could run code; random bytes or a gzip file
         # also fail the weights-only reader, with another message, and are merely not checkpoints.
         found = _UNSAFE_RE.search(str(e))
@@ -140,8 +142,23 @@ def _load(path, kind: str) -> dict:
     if not isinstance(obj, dict) or obj.get("format") != expected:
         found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise CheckpointError(f"{path} is not an mpedu {kind} (format {found!r}, expected {expected!r})")
-    _verify_checksums(obj, path, kind)
+    _verify_checksums(obj, path, kind)       # tensors, by name
+    _check_crc(path, kind)                   # the rest: numbers, options, history
     return obj
+
+
+def _check_crc(path: Path, kind: str) -> None:
+    """A PyTorch file is a zip whose every part carries a CRC-32: a changed byte anywhere (a number in the
+    history or the options, which the tensor checksums do not cover; a name in the pickle, which would
+    otherwise read as a foreign callable) is damage, and named so."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError):   # not a zip, or cut short: torch says
+        return
+    if bad is not None:
+        raise CheckpointError(f"{kind} {path} is damaged: its part {bad!r} does not match the CRC-32 written with "
+                              "it (changed on disk or by an edit); delete it, or pick another --out")
 
 
 def _damaged(path, kind, e) -> CheckpointError:

@@ -35,6 +35,7 @@ def restore(path: Path, model, optimizer, vocab, settings: dict, options: dict, 
     schedule left it. A checkpoint already past `epochs` is refused before anything changes.
     """
     ckpt = load_checkpoint(path, model=model, vocab=vocab)
+    _refuse_going_back(path, ckpt["position"], epochs)     # before the model and optimizer change
     try:
         # weights are stored per layer name, so they load onto any placement or device count
         model.load_state_dict(ckpt["model"])          # copies into the live (possibly moved) Parameters
@@ -55,12 +56,6 @@ def restore(path: Path, model, optimizer, vocab, settings: dict, options: dict, 
     if not all_finite([p.detach() for p in model.parameters()]):
         raise CheckpointError(f"checkpoint {path} holds NaN or inf weights; mpedu never writes those, so the file "
                               "was changed or comes from elsewhere: delete it, or pick another --out")
-    if pos["epoch"] > epochs or (pos["epoch"] == epochs and pos["batch"] > 0):
-        done = f"{pos['epoch']} epochs" + (f" and {pos['batch']} batches of epoch {pos['epoch'] + 1}"
-                                           if pos["batch"] else "")
-        raise CheckpointError(f"checkpoint {path} has already trained {done}, more than asked for (--epochs {epochs}); "
-                              f"a run cannot go back, and the checkpoint was left as it is. Pass --epochs "
-                              f"{pos['epoch'] + 1} or more to train further, or another --out to start afresh")
     saved = ckpt.get("options") if isinstance(ckpt.get("options"), dict) else {}
     old_lr = optimizer.param_groups[0]["lr"]
     if not lr_given:               # the run goes on with its own lr (and keeps its first one on record)
@@ -81,6 +76,21 @@ def restore(path: Path, model, optimizer, vocab, settings: dict, options: dict, 
     if ckpt.get("placement") != placement:
         log(f"note: the checkpoint was written on {ckpt.get('placement') or 'one device'}; this run uses "
             f"{placement or 'one device'} (weights are stored per layer, so they load; float rounding may differ)")
-    log(f"resumed from {path} at epoch {pos['epoch'] + 1}, batch {pos['batch']} "
-        f"(lr {optimizer.param_groups[0]['lr']:g})")
+    where = (f"all {epochs} epochs trained" if pos["epoch"] == epochs
+             else f"at epoch {pos['epoch'] + 1}, batch {pos['batch']}")
+    log(f"resumed from {path} {where} (lr {optimizer.param_groups[0]['lr']:g})")
     return history, pos["epoch"], pos["batch"], totals
+
+
+def _refuse_going_back(path, pos, epochs: int) -> None:
+    """A checkpoint past `epochs` cannot be continued to `epochs`: refused, naming what it trained."""
+    if not isinstance(pos, dict):
+        return                              # a damaged position: restore's checks name it
+    epoch, batch = pos.get("epoch"), pos.get("batch")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, batch)):
+        return                              # a damaged position: restore's checks name it
+    if epoch > epochs or (epoch == epochs and batch > 0):
+        done = f"{epoch} epochs" + (f" and {batch} batches of epoch {epoch + 1}" if batch else "")
+        raise CheckpointError(f"checkpoint {path} has already trained {done}, more than asked for (--epochs {epochs}); "
+                              f"a run cannot go back, and the checkpoint was left as it is. Pass --epochs "
+                              f"{epoch + 1} or more to train further, or another --out to start afresh")

@@ -8,6 +8,7 @@ import os
 import pickle
 import resource
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,24 @@ def test_bytes_flipped_on_disk_are_refused(trained, tmp_path):
     data[at + 5] ^= 0x10
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="decode.linear.weight"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("where", ["a number", "a name"])
+def test_a_changed_byte_outside_the_tensors_is_damage(trained, tmp_path, where):
+    """The pickle part (history, options, lr: no tensor checksum covers it) is guarded by the zip's CRC-32: an
+    lr edited from 10 to 1000 resumed as if given, and a mangled name read as a foreign callable."""
+    path = copy_of(trained, tmp_path)
+    data = bytearray(path.read_bytes())
+    if where == "a number":                               # the lr, a pickled float 10.0 (opcode G, big-endian)
+        at = bytes(data).find(b"G" + struct.pack(">d", 10.0))
+        data[at + 1:at + 9] = struct.pack(">d", 1000.0)
+    else:
+        at = bytes(data).find(b"torch._utils")
+        data[at + 6:at + 10] = b"ZZZZ"
+    assert at > 0
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"is damaged: its part 'archive/data\.pkl' does not match the CRC-32"):
         load_checkpoint(path)
 
 
@@ -216,9 +235,13 @@ def test_fewer_epochs_than_trained_is_refused_and_the_checkpoint_is_untouched(ca
 def test_train_refuses_to_go_back_before_changing_anything(little120, tmp_path):
     train(lm(little120), little120, epochs=1, out=tmp_path, **short_run())
     before = (tmp_path / "checkpoint.pt").read_bytes()
+    model = lm(little120)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError, match="already trained 1 epochs.*--epochs 2 or more"):
-        train(lm(little120), little120, epochs=0, out=tmp_path, resume=True, **short_run())
+        train(model, little120, epochs=0, out=tmp_path, resume=True, **short_run())
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
+    # nor the caller's model: the checkpoint's weights were loaded into it before the refusal
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
 
 
 # ---------------------------------------------------------------- writing, refusing, loading back
