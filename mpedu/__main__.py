@@ -46,14 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
                             epilog=EXAMPLES + LR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                             description="Train, print one line per epoch, save checkpoint.pt and model.pt in --out.")
     add_training_options(t, clip_over="the gradients")
+    t.set_defaults(seed=None)       # resolved after parsing: a --resume takes the checkpoint's unless given
     t.add_argument("--bptt", type=count, metavar="T",
                    help="stream mode: cut the text into T-step chunks and carry the LSTM state across batches; "
                         "0: bucketed sentences (default: the recipe's; tiny: bucketed)")
     t.add_argument("--out", default="runs/latest", metavar="DIR",
                    help="where checkpoint.pt and model.pt go (default: runs/latest)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt, mid-epoch if need be "
-                   "(on any placement or device count); bit for bit with the same micro-batches and chunks, "
-                   "dropout included, else to float rounding")
+                   "(on any placement or device count), with the run's own --batch-size, --seed, --clip, --bptt "
+                   "and --limit-batches unless given; bit for bit with the same micro-batches and chunks, "
+                   "dropout included, else to float rounding (stream mode, --bptt, resumed mid-epoch starts "
+                   "the carried state afresh)")
     t.add_argument("--checkpoint-every", type=count, default=CHECKPOINT_EVERY, metavar="N",
                    help=f"write DIR/checkpoint.pt every N batches, and at each epoch end; 0: only at epoch "
                         f"ends (default: {CHECKPOINT_EVERY})")
@@ -158,6 +161,7 @@ def run_train(args) -> int:
     except OSError as e:     # unreadable (permissions, a folder where a file should be)
         return _error(f"cannot read the corpus in {args.data}: {e.strerror or e} ({e.filename or args.data})")
     recipe = apply_recipe(args)
+    args.resuming = _the_runs_own_settings(args)
     # Settings a schedule cannot meet are refused before one is built (a schedule with a
     # billion micro-batches or chunks would take that long to write down).
     if args.micro_batches > args.batch_size:
@@ -174,6 +178,49 @@ def run_train(args) -> int:
             return _train_in(args, corpus, recipe)
     except OutFolderError as e:
         return _error(str(e))
+
+
+# what a --resume takes from the checkpoint's run when not given: (where it is kept, a check of the value)
+_CONTINUED = {"batch_size": ("settings", lambda v: _whole(v, 1)), "seed": ("settings", lambda v: _whole(v, 0)),
+              "bptt": ("settings", lambda v: v is None or _whole(v, 1)),
+              "limit_batches": ("settings", lambda v: v is None or _whole(v, 1)),
+              "clip": ("options", lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                          and math.isfinite(v) and v > 0))}
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value < 2**63
+
+
+def _the_runs_own_settings(args) -> bool:
+    """On --resume with a checkpoint in --out, the options not given here are the interrupted run's (its
+    batch size, seed, clip, stream mode and batch limit; its lr comes with its optimizer), so the same
+    command with --resume continues that run. Returns whether a checkpoint will be resumed."""
+    given = set(args.given) | {k for k in ("seed", "limit_batches") if getattr(args, k) is not None}
+    if args.seed is None:
+        args.seed = 0
+    path = Path(args.out) / "checkpoint.pt"
+    if not args.resume or not path.is_file():
+        return False
+    from .checkpoint import CheckpointError, load_checkpoint
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError:
+        return True                          # train() names what is wrong with it
+    taken = []
+    for key, (part, fits) in _CONTINUED.items():
+        saved = ckpt[part] if isinstance(ckpt.get(part), dict) else {}
+        if key in given or key not in saved or not fits(saved[key]):
+            continue                         # given here, or not known: train() notes any difference
+        value = saved[key] if key != "clip" else saved[key] or 0.0
+        if value != getattr(args, key):
+            setattr(args, key, value)
+            shown = "none" if value is None else "0 (no clipping)" if key == "clip" and not value else value
+            taken.append(f"{key.replace('_', '-')} {shown}")
+    if taken:
+        print(f"note: continuing the run's own --{', --'.join(taken)} (from its checkpoint; give an option "
+              "to change it)")
+    return True
 
 
 def _train_in(args, corpus, recipe) -> int:
@@ -193,11 +240,13 @@ def _train_in(args, corpus, recipe) -> int:
              + (f", link {runner.link}" if runner.link.emulated else "") if pipelined else "single device (cpu)")
     print(f"mpedu train: {args.config} model on {corpus.name} ({len(corpus.vocab):,} words, "
           f"{corpus.tokens('train'):,} training tokens); {where}")
+    checkpoint = Path(args.out) / "checkpoint.pt"
+    before = _written(checkpoint)        # a checkpoint this run did not write belongs to an earlier run
     try:
         history = train(
             # on --resume, an lr not given is the checkpoint's (it may have been decayed)
             model, corpus, runner=runner, epochs=args.epochs, batch_size=args.batch_size,
-            lr=args.lr if "lr" in args.given or not args.resume else None,
+            lr=args.lr if "lr" in args.given or not args.resuming else None,
             clip=args.clip or None, seed=args.seed, out=args.out, resume=args.resume, bptt=args.bptt,
             checkpoint_every=args.checkpoint_every, limit_batches=args.limit_batches, lr_decay=recipe.decay,
             skip_bad_batches=args.skip_bad_batches, progress=not args.no_progress and sys.stderr.isatty())
@@ -210,12 +259,33 @@ def _train_in(args, corpus, recipe) -> int:
     except OSError as e:
         return _error(f"cannot write to --out {args.out}: {why(e)} ({e.filename or args.out})", code=1)
     except KeyboardInterrupt:
-        if (Path(args.out) / "checkpoint.pt").exists():
+        if args.resuming or _written(checkpoint) not in (None, before):    # this run's own, or the one it continued
             return _error(f"interrupted; continue with --resume --out {args.out}", code=130)
-        return _error(f"interrupted before the first checkpoint (written every {args.checkpoint_every} batches "
-                      "and at each epoch end): nothing to resume", code=130)
+        first = (f"interrupted before this run's first checkpoint (written every {args.checkpoint_every} batches "
+                 "and at each epoch end)")
+        if before is not None:
+            return _error(f"{first}; {checkpoint} is still the earlier run's (--resume would continue that one)",
+                          code=130)
+        return _error(f"{first}: nothing to resume", code=130)
     finally:
         runner.close()
+    try:
+        return _report(args, corpus, recipe, runner, history, pipelined)
+    except KeyboardInterrupt:
+        return _error(f"interrupted after training had finished: {checkpoint} and model.pt are written; the "
+                      "last step's timeline or the summary may not be", code=130)
+
+
+def _written(path: Path):
+    """When `path` was last written (None: it is not there)."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def _report(args, corpus, recipe, runner, history, pipelined) -> int:
+    """After training: the last step's timeline, the JSON summary, and whether the run diverged."""
     if pipelined and runner.last_timeline is not None:
         try:
             files = runner.last_timeline.save(args.out, stem="last_step")

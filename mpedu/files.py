@@ -69,6 +69,8 @@ def atomic_write(path, write: Callable, *, binary: bool = True) -> None:
         raise FileNotFoundError(errno.ENOENT, f"no folder {path.parent} to write {path.name} into", str(path))
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path), suffix=".tmp")
     try:
+        with contextlib.suppress(OSError):     # mkstemp's 0600 would hide the file from the user's group
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb" if binary else "w") as f:
             recorder = _Recording(f)
             try:
@@ -94,6 +96,13 @@ def atomic_write(path, write: Callable, *, binary: bool = True) -> None:
             os.close(dir_fd)
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back: there is no other portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def why(e: OSError) -> str:
     """An OSError in a few words, with the usual cause of a failed write."""
     text = e.strerror or str(e)
@@ -107,16 +116,21 @@ def why(e: OSError) -> str:
 def prepare_out(out) -> Path:
     """Create --out if need be and check it is a folder this process can write in, before any training."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OutFolderError(f"--out {out} is a file, not a folder; pick a folder (it is created if missing)")
+    above = next((p for p in [out, *out.parents] if p.exists()), None)
+    if above is not None and not above.is_dir():
+        where = "is a file" if above == out else f"is inside {above}, which is a file"
+        raise OutFolderError(f"--out {out} {where}, not a folder; pick a folder (it is created if missing)")
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=out, prefix=".mpedu-write-test.")
         os.close(fd)
         os.unlink(probe)
-    except OSError as e:
-        raise OutFolderError(f"cannot write in --out {out}: {why(e)} ({e.filename or out}); pick a folder "
-                             "you can write in") from None
+    except OSError as e:                 # (e.filename would name the probe, a temp file of ours)
+        raise OutFolderError(f"cannot write in --out {out}: {why(e)}; pick a folder you can write in") from None
+    for name in ("checkpoint.pt", "model.pt"):      # what a run writes there: a folder of that name would stop it
+        if (out / name).exists() and not (out / name).is_file():
+            raise OutFolderError(f"--out {out} holds {name} that is not a file (a folder?); mpedu writes its "
+                                 f"{name} there: move it away, or pick another --out")
     return out
 
 

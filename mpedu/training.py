@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import remove_stale_temp, save_checkpoint, save_model
+from .checkpoint import CheckpointError, load_model, remove_stale_temp, save_checkpoint, save_model
 from .files import OutLock, WriteFailed, prepare_out, why
 from .faults import NumericFault, all_finite, find_fault
 from .history import History, perplexity
@@ -205,6 +205,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         log(f"starting afresh; {ckpt_path} will be overwritten (pass resume=True / --resume to continue it)")
     elif resume:
         log(f"no checkpoint at {ckpt_path}; starting afresh")
+    if first_epoch < epochs:
+        history.test_ppl = None         # a run extended past its end: the old test perplexity is not this model's
     lr = optimizer.param_groups[0]["lr"]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     last_saved = None      # (epoch, batch) of the newest checkpoint this run wrote
@@ -311,15 +313,27 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         # resumed from a finished run with the same --epochs: nothing to train, nothing rewritten
         log(f"nothing to train: {ckpt_path} has finished all {epochs} epochs (test ppl {history.test_ppl:.2f}); "
             f"pass --epochs {epochs + 1} or more to train further")
-        if not (out / "model.pt").exists():      # the run was stopped between its last two writes
+        if not _holds(out / "model.pt", model):     # stopped between its last two writes, or altered since
+            log(f"{out / 'model.pt'} did not hold these weights; written again from the checkpoint")
             _save_model(out / "model.pt", model, corpus.vocab, placement)
         return history
     history.test_ppl = evaluate(runner, corpus.test, batch_size, bptt=bptt, buckets=buckets, limit=limit_batches)
-    log(f"test ppl {history.test_ppl:.2f}" + (f"  (saved {out / 'model.pt'})" if out else ""))
     if out is not None:
         checkpoint(epochs, 0, fresh_totals())
         _save_model(out / "model.pt", model, corpus.vocab, placement)
+    log(f"test ppl {history.test_ppl:.2f}" + (f"  (saved {out / 'model.pt'})" if out else ""))
     return history
+
+
+def _holds(path: Path, model) -> bool:
+    """Whether the model file at `path` holds exactly `model`'s weights."""
+    try:
+        saved, _ = load_model(path)
+    except CheckpointError:
+        return False
+    mine = model.state_dict()
+    return saved.state_dict().keys() == mine.keys() and all(
+        torch.equal(t, mine[k].detach().cpu()) for k, t in saved.state_dict().items())
 
 
 def _save_model(path: Path, model, vocab, placement) -> None:

@@ -232,6 +232,39 @@ def test_fewer_epochs_than_trained_is_refused_and_the_checkpoint_is_untouched(ca
     assert [e["epoch"] for e in load_checkpoint(tmp_path / "checkpoint.pt")["history"]["epochs"]] == [1, 2, 3]
 
 
+def test_an_extended_run_stopped_before_its_test_ends_with_its_own_test_and_model_file(little120, tmp_path,
+                                                                                     monkeypatch):
+    """Extended from 1 to 2 epochs and stopped during the final test (after the last checkpoint): the resume
+    said "nothing to train" with the 1-epoch run's test perplexity and left the 1-epoch model.pt."""
+    import mpedu.training as training
+    first = train(lm(little120), little120, epochs=1, out=tmp_path, **short_run())
+    one_epoch = (tmp_path / "model.pt").read_bytes()
+    real = training.evaluate
+
+    def stopped_at_the_test(runner, sentences, *args, **kwargs):
+        if sentences is little120.test:
+            raise KeyboardInterrupt
+        return real(runner, sentences, *args, **kwargs)
+    monkeypatch.setattr(training, "evaluate", stopped_at_the_test)
+    with pytest.raises(KeyboardInterrupt):
+        train(lm(little120), little120, epochs=2, out=tmp_path, resume=True, **short_run())
+    monkeypatch.undo()
+    assert (tmp_path / "model.pt").read_bytes() == one_epoch
+    lines = []
+    second = train(lm(little120), little120, epochs=2, out=tmp_path, resume=True, **short_run(lines))
+    assert not any("nothing to train" in line for line in lines) and second.test_ppl != first.test_ppl
+    saved, _ = load_model(tmp_path / "model.pt")
+    trained_two = load_checkpoint(tmp_path / "checkpoint.pt")["model"]
+    assert all(torch.equal(t, trained_two[k]) for k, t in saved.state_dict().items())
+    # finished: a model.pt that is not the checkpoint's weights (here the 1-epoch one) is written again
+    (tmp_path / "model.pt").write_bytes(one_epoch)
+    lines = []
+    train(lm(little120), little120, epochs=2, out=tmp_path, resume=True, **short_run(lines))
+    assert any("nothing to train" in line for line in lines) and any("written again" in line for line in lines)
+    saved, _ = load_model(tmp_path / "model.pt")
+    assert all(torch.equal(t, trained_two[k]) for k, t in saved.state_dict().items())
+
+
 def test_train_refuses_to_go_back_before_changing_anything(little120, tmp_path):
     train(lm(little120), little120, epochs=1, out=tmp_path, **short_run())
     before = (tmp_path / "checkpoint.pt").read_bytes()

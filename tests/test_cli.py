@@ -9,10 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import mpedu.__main__ as cli
 from mpedu.__main__ import main
+from mpedu.checkpoint import load_model
 from mpedu.history import History
 
 
@@ -58,6 +60,31 @@ def test_resume_continues_and_a_foreign_checkpoint_is_an_error(capsys, tmp_path)
     code, out, err = run(capsys, "train", *out_dir, "--config", "small", *QUICK[2:], "--resume")
     assert code == 2
     assert err.startswith("mpedu: error: checkpoint") and "'tiny' model" in err and "'small' model" in err
+
+
+def test_a_plain_resume_continues_the_runs_own_settings_bit_for_bit(capsys, tmp_path):
+    """The first run's --batch-size, --seed, --clip and --limit-batches are not given again on --resume: they
+    come from the checkpoint (they fell back to the recipe's, training another run), and the end is the
+    uninterrupted run's model bit for bit."""
+    own = ["--devices", "1", "--batch-size", "8", "--seed", "3", "--clip", "0.5", "--limit-batches", "3",
+           "--no-progress", "--json"]
+    assert run(capsys, "train", *own, "--epochs", "2", "--out", str(tmp_path / "whole"))[0] == 0
+    assert run(capsys, "train", *own, "--epochs", "1", "--out", str(tmp_path / "cut"))[0] == 0
+    code, out, err = run(capsys, "train", "--devices", "1", "--epochs", "2", "--no-progress", "--out",
+                         str(tmp_path / "cut"), "--resume")
+    assert code == 0, err
+    assert "continuing the run's own --batch-size 8, --seed 3, --limit-batches 3, --clip 0.5" in out
+    assert "this run uses" not in out                    # no setting differs from the checkpoint's
+    assert (tmp_path / "cut" / "model.pt").read_bytes() != b""
+    whole, cut = (load_model(tmp_path / d / "model.pt")[0].state_dict() for d in ("whole", "cut"))
+    assert all(torch.equal(whole[k], cut[k]) for k in whole)
+
+
+def test_a_resume_with_no_checkpoint_yet_takes_the_recipes_lr(capsys, tmp_path):
+    code, out, err = run(capsys, "train", "--config", "small", "--devices", "1", "--epochs", "1", "--limit-batches",
+                         "2", "--no-progress", "--out", str(tmp_path), "--resume", "--json")
+    assert code == 0, err
+    assert "no checkpoint at" in out and last_json(out)["lr"] == 20        # small's lr (it took mpedu's 10)
 
 
 def test_a_bad_data_folder_exits_2_naming_it(capsys, tmp_path):
@@ -307,14 +334,33 @@ def test_corpus_refuses_to_overwrite_a_users_files_without_force(capsys, tmp_pat
     assert (tmp_path / "ptb.train.txt").read_text() != "my own words\n"
 
 
-@pytest.mark.parametrize("saved", [False, True])
-def test_ctrl_c_says_whether_there_is_a_checkpoint_to_resume(capsys, monkeypatch, tmp_path, saved):
-    if saved:
-        (tmp_path / "checkpoint.pt").write_bytes(b"")     # only its presence is read
-    monkeypatch.setattr(cli, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
-    code, err = refused(capsys, "train", *QUICK, "--devices", "1", "--out", str(tmp_path))
+@pytest.mark.parametrize("case", ["none", "an earlier run's", "this run's", "resumed"])
+def test_ctrl_c_says_whether_there_is_a_checkpoint_to_resume(capsys, monkeypatch, tmp_path, case):
+    """--resume is offered for a checkpoint this run wrote or continued; an earlier run's, left as it was by a
+    run started afresh, is named as that (--resume would continue the other run)."""
+    if case in ("an earlier run's", "resumed"):
+        (tmp_path / "checkpoint.pt").write_bytes(b"")     # only its presence (and its time) is read
+
+    def interrupted(*args, **kwargs):
+        if case == "this run's":
+            (tmp_path / "checkpoint.pt").write_bytes(b"")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "train", interrupted)
+    code, err = refused(capsys, "train", *QUICK, "--devices", "1", "--out", str(tmp_path),
+                        *(["--resume"] if case == "resumed" else []))
     assert code == 130
-    assert ("continue with --resume" in err) == saved and ("nothing to resume" in err) == (not saved), err
+    expected = {"none": "nothing to resume", "an earlier run's": "is still the earlier run's (--resume would continue "
+                "that one)", "this run's": "continue with --resume", "resumed": "continue with --resume"}[case]
+    assert expected in err, err
+
+
+def test_ctrl_c_after_training_says_the_files_are_written(capsys, monkeypatch, tmp_path):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "json_line", interrupted)
+    code, err = refused(capsys, "train", *QUICK, "--devices", "1", "--out", str(tmp_path), "--json")
+    assert code == 130 and "interrupted after training had finished" in err and "model.pt are written" in err
+    assert (tmp_path / "model.pt").is_file()
 
 
 def test_ctrl_c_before_training_is_one_line_not_a_traceback(capsys, monkeypatch, tmp_path):

@@ -15,6 +15,27 @@ def test_prepare_out_creates_a_folder_and_refuses_a_file(tmp_path):
         prepare_out(tmp_path / "file")
 
 
+def test_prepare_out_names_a_file_above_it_and_a_folder_where_a_checkpoint_goes(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutFolderError, match=r"file/sub is inside .*file, which is a file"):
+        prepare_out(tmp_path / "file" / "sub")
+    for name in ("checkpoint.pt", "model.pt"):      # found before training, not when the first write fails
+        (tmp_path / "run" / name).mkdir(parents=True)
+        with pytest.raises(OutFolderError, match=f"holds {name} that is not a file"):
+            prepare_out(tmp_path / "run")
+        (tmp_path / "run" / name).rmdir()
+    assert prepare_out(tmp_path / "run").is_dir()
+
+
+def test_files_written_whole_get_the_umasks_mode_not_a_temp_files_0600(tmp_path):
+    old = os.umask(0o027)
+    try:
+        atomic_write(tmp_path / "f.txt", lambda f: f.write("x"), binary=False)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f.txt").stat().st_mode & 0o777 == 0o640
+
+
 def _try_lock_elsewhere(folder) -> str:
     """Take OutLock(folder) on another thread; what happened."""
     said = []
