@@ -10,6 +10,7 @@ import torch
 
 from .files import why
 from .footprint import parse_recompute
+from .history import diverged
 from .options import (add_training_options, apply_recipe, count, join_dash_values, json_line, link_help,
                       parse_link, parse_memory_cap, positive_int, shorten)
 from .recipes import RECIPES
@@ -110,18 +111,6 @@ def _recompute(text: str):
 def _error(message: str, code: int = 2) -> int:
     print(f"mpedu: error: {shorten(message, 2000)}", file=sys.stderr)
     return code
-
-
-def diverged(summary: dict, recipe_lr: float) -> str | None:
-    """The message for a run whose perplexities are not finite (None when they all are)."""
-    bad = [f"{k.removesuffix('_ppl')} {summary[k]}" for k in ("train_ppl", "valid_ppl", "test_ppl")
-           if isinstance(summary.get(k), float) and not math.isfinite(summary[k])]
-    if not bad:
-        return None
-    lr = summary.get("lr") or recipe_lr
-    return (f"training diverged: perplexity is not finite ({', '.join(bad)}), so the model predicts nothing; "
-            f"start afresh (another --out, or no --resume) with a lower --lr: the last epoch used {lr:g}"
-            + (f", the recipe's is {recipe_lr:g}" if recipe_lr < lr else ""))
 
 
 def build_runner(model, args):

@@ -14,6 +14,18 @@ def perplexity(nll: float, tokens: int) -> float:
         return math.inf
 
 
+def diverged(summary: dict, recipe_lr: float) -> str | None:
+    """The message for a run whose perplexities are not finite (None when they all are)."""
+    bad = [f"{k.removesuffix('_ppl')} {summary[k]}" for k in ("train_ppl", "valid_ppl", "test_ppl")
+           if isinstance(summary.get(k), float) and not math.isfinite(summary[k])]
+    if not bad:
+        return None
+    lr = summary.get("lr") or recipe_lr
+    return (f"training diverged: perplexity is not finite ({', '.join(bad)}), so the model predicts nothing; "
+            f"start afresh (another --out, or no --resume) with a lower --lr: the last epoch used {lr:g}"
+            + (f", the recipe's is {recipe_lr:g}" if recipe_lr < lr else ""))
+
+
 @dataclass
 class History:
     """Per-epoch records (epoch, lr, train_ppl, valid_ppl, tokens_per_s, seconds, ...) and test_ppl."""

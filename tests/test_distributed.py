@@ -4,6 +4,7 @@ The package's other modules have their own test files (test_distributed_<module>
 launches are here, few and each checking several things (they are slow on a small machine)."""
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -45,6 +46,17 @@ def test_pipeline_devices_come_from_the_options_or_the_world(argv, world, expect
 def test_disagreeing_device_counts_say_what_to_do(argv, world, words):
     with pytest.raises(ValueError, match=words):
         pipeline_devices(build_parser().parse_args(["check", *argv]), world)
+
+
+def test_heartbeat_and_timeout_refuse_values_that_end_every_run(capsys):
+    """--heartbeat 0.001 ended every run at once ("rank 1 has been silent for 0 s"); --timeout 0.001 in C++ frames."""
+    parser = build_parser()
+    for option, value in (("--heartbeat", "0.001"), ("--timeout", "5")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["train", option, value])
+        assert f"argument {option}: expected at least" in capsys.readouterr().err
+    args = parser.parse_args(["train", "--heartbeat", "0", "--timeout", "30"])
+    assert (args.heartbeat, args.timeout) == (0, 30)
 
 
 def test_the_check_fails_when_one_replica_differs():
@@ -157,6 +169,72 @@ def test_train_gives_the_single_process_result(tmp_path):
     assert_trained_as_one_process(summary, tmp_path / "model.pt")
     timeline = json.loads((tmp_path / "last_step.timeline.json").read_text())
     assert {e["device"] for e in timeline["events"]} == {"rank:0", "rank:1"}
+
+
+TIED_CLIP = """
+import torch, torch.distributed as dist
+from mpedu.distributed import DistributedPipeline, setup
+from mpedu.model import LSTMLM, LMConfig
+setup("gloo")
+from mpedu.bucketing import Batch
+torch.manual_seed(0)
+model = LSTMLM(50, LMConfig(embed_size=16, hidden_size=16, num_layers=2, tie_weights=True))
+reference = LSTMLM(50, LMConfig(embed_size=16, hidden_size=16, num_layers=2, tie_weights=True))
+reference.load_state_dict(model.state_dict())
+g = torch.Generator().manual_seed(1)
+targets = torch.randint(3, 50, (6, 4), generator=g)
+batch = Batch(torch.randint(3, 50, (6, 4), generator=g), targets, targets != 0, int((targets != 0).sum()), False)
+pipe = DistributedPipeline(model, "embed:a | lstm0:b | lstm1,decode:a", "gpipe", 2, width=4, clip=0.01)
+pipe.train_step(batch)
+mine = pipe.owned_grads()
+if dist.get_rank() == 0:
+    from mpedu.single import SingleDevice
+    SingleDevice(reference).train_step(batch)
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
+    want = dict(reference.named_parameters())
+    worst = max(float(((g - want[n].grad).abs().max() / want[n].grad.abs().max())) for n, g in mine.items())
+    print("tied", "layers.embed.embedding.weight" in mine, "worst", worst)
+pipe.close()
+dist.destroy_process_group()
+"""
+
+
+@needs_gloo
+def test_a_weight_tied_on_one_rank_is_clipped_once(tmp_path):
+    """embed and decode share a weight on rank 0 (stages 0 and 2): the clip counted it twice in the norm and
+    scaled its gradient twice (0.96 relative error against one process)."""
+    script = tmp_path / "tied_clip.py"
+    script.write_text(TIED_CLIP)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("tied"))
+    assert line.startswith("tied True") and float(line.split()[-1]) < 1e-5, line
+
+
+@needs_gloo
+def test_train_keeps_the_recipes_decay_refuses_a_bad_out_first_and_says_when_it_diverged(tmp_path):
+    # small's recipe: lr 20, divided by 2 after each epoch from epoch 4 on (the halving rule ran instead)
+    proc, _ = torchrun("train", "--config", "small", "--epochs", "5", "--limit-batches", "1", "--out",
+                       str(tmp_path / "small"), "--no-progress")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lrs = [float(re.search(r" lr (\S+)", line).group(1))
+           for line in proc.stdout.splitlines() if line.startswith("epoch")]
+    assert lrs == [20, 20, 20, 20, 10], proc.stdout
+    # --out a file: every rank stops before training (it trained to the end, then lost the weights)
+    (tmp_path / "afile").write_text("x")
+    proc, _ = torchrun("train", "--limit-batches", "2", "--epochs", "1", "--out", str(tmp_path / "afile"),
+                       "--no-progress")
+    assert proc.returncode != 0 and "is a file, not a folder" in proc.stderr
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("epoch")], proc.stdout
+    assert proc.stderr.count("mpedu.distributed: error (rank") == 2, proc.stderr
+    # a diverged run exits 1 and says so (it exited 0 with infinite perplexities)
+    proc, _ = torchrun("train", "--limit-batches", "4", "--epochs", "1", "--lr", "1e7", "--clip", "0", "--out",
+                       str(tmp_path / "nan"), "--no-progress")
+    assert proc.returncode != 0 and "training diverged" in proc.stderr, proc.stdout + proc.stderr
 
 
 @needs_gloo

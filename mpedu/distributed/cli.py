@@ -9,8 +9,7 @@ import torch.distributed as dist
 
 from ..heartbeat import LIMIT as HEARTBEAT
 from ..model import CONFIGS
-from ..options import (add_training_options, count, join_dash_values, non_negative_float, positive_float,
-                       positive_int)
+from ..options import add_training_options, count, join_dash_values, non_negative_float, positive_int
 from ..recipes import CONFIG
 from .group import TIMEOUT, stop_heartbeat
 
@@ -59,10 +58,13 @@ def _add_pipeline_options(parser, schedule_help: str) -> None:
     group.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                        help="auto: NCCL on cuda:LOCAL_RANK when every process on the node has a GPU of its "
                             "own, else gloo on the CPU for all")
-    group.add_argument("--timeout", type=positive_float, default=TIMEOUT, metavar="S",
+    group.add_argument("--timeout", type=_at_least(10, "setting up the ranks alone can take that long"),
+                       default=TIMEOUT,
+                       metavar="S",
                        help=f"seconds a rank waits for a busy peer before failing (default: {TIMEOUT}); with "
                             "torchrun, a failing rank also makes torchrun stop the others at once")
-    group.add_argument("--heartbeat", type=non_negative_float, default=HEARTBEAT, metavar="S",
+    group.add_argument("--heartbeat", type=_at_least(1, "a shorter silence is a busy machine's scheduling, not a "
+                                                      "rank gone", zero_ok=True), default=HEARTBEAT, metavar="S",
                        help=f"a peer that gives no sign of life (stopped, hung, its machine gone) for S seconds "
                             f"ends every rank with a line naming it; 0: no watchdog (default: {HEARTBEAT:g})")
 
@@ -81,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Train; rank 0 prints one line per epoch and writes model.pt and the "
                                         "last step's timeline (every rank: last_step.png, last_step.json, "
                                         "last_step.timeline.json) in --out. Not offered: --bptt (state cannot "
-                                        "cross ranks), --resume, and --link (the ranks' link is real).")
+                                        "cross ranks), --chunks, --recompute, --memory-cap, --link (the ranks' "
+                                        "link is real), --resume, --checkpoint-every (no checkpoints: model.pt "
+                                        "is written at the end) and --skip-bad-batches.")
     add_training_options(t, clip_over="all ranks' gradients", resume=False)
     t.add_argument("--out", default="runs/distributed", metavar="DIR",
                    help="where rank 0 writes model.pt and the timeline (default: runs/distributed)")
@@ -123,6 +127,21 @@ def pipeline_devices(args, world: int) -> int:
     return p
 
 
+# what gloo's RuntimeErrors (not DistErrors) say when a peer has gone or stopped answering
+_PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Broken pipe")
+
+
+def _at_least(least: float, what: str, zero_ok: bool = False):
+    """An argparse type: seconds, at least `least` (or 0 when `zero_ok`)."""
+    def parse(text: str) -> float:
+        value = non_negative_float(text)
+        if value < least and not (zero_ok and value == 0):
+            raise argparse.ArgumentTypeError(f"expected at least {least:g} seconds{' (or 0: off)' if zero_ok else ''}"
+                                             f", got {text}: {what}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(join_dash_values(parser, list(sys.argv[1:] if argv is None else argv)))
@@ -137,10 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:   # a placement, schedule or size the pipeline cannot run: every rank says why
         print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): {e}", file=sys.stderr)
         return 2
-    except dist.DistError as e:   # a peer failed or timed out: one line, not the backend's traceback
+    except FloatingPointError as e:   # NumericFault: the step, the layer, its stage
+        print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): {e}", file=sys.stderr)
+        return 1
+    except (dist.DistError, RuntimeError) as e:   # a peer failed or timed out: one line, not the backend's traceback
+        if not isinstance(e, dist.DistError) and not any(sign in str(e) for sign in _PEER_FAILED):
+            raise
         first = (str(e).splitlines() or [""])[0][:300]
         print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): talking to the other ranks failed "
               f"({e.__class__.__name__}: {first}); see the other ranks' messages for the cause", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"mpedu.distributed: rank {os.environ.get('RANK', '?')} interrupted; nothing was saved (a run under "
+              "torchrun writes model.pt only at its end)", file=sys.stderr)
+        return 130
     finally:
         stop_heartbeat()

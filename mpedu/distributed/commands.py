@@ -1,6 +1,7 @@
 """`train` and `check` under torchrun: every rank runs the same function on the same data."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -11,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import save_model
+from ..files import OutFolderError, OutLock, prepare_out
+from ..history import diverged
 from ..options import apply_recipe, json_line
 from ..single import SingleDevice
 from ..training import train as fit
@@ -26,12 +29,36 @@ def _say(rank: int):
 
 
 def run_train(args) -> int:
-    from ..data import load_corpus
-    from ..model import LSTMLM
     rank, world, device = setup(args.backend, args.timeout, args.heartbeat)
     say = _say(rank)
-    apply_recipe(args, say)
+    recipe = apply_recipe(args, say)
     p = pipeline_devices(args, world)
+    out = Path(args.out)
+    with _out_held(rank, out, say):          # checked (and locked) before any training, as `python -m mpedu train`
+        return _train(args, rank, world, device, say, recipe, p, out)
+
+
+@contextlib.contextmanager
+def _out_held(rank: int, out: Path, say):
+    """Rank 0 prepares and locks --out (mpedu.files) and tells every rank whether it could: a folder that
+    cannot be written stops all ranks before step 1, not after the last epoch with the weights unsaved."""
+    with contextlib.ExitStack() as held:
+        problem = None
+        if rank == 0:
+            try:
+                held.enter_context(OutLock(prepare_out(out), log=say))
+            except OutFolderError as e:
+                problem = str(e)
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)
+        if shared[0] is not None:
+            raise ValueError(shared[0])
+        yield
+
+
+def _train(args, rank, world, device, say, recipe, p, out) -> int:
+    from ..data import load_corpus
+    from ..model import LSTMLM
     corpus = load_corpus(args.data)          # every rank reads the data: same batches, same order
     torch.manual_seed(args.seed)
     model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab))
@@ -46,12 +73,10 @@ def run_train(args) -> int:
         f"{pipe.placement}; schedule {pipe.schedule} -> {pipe.torch_schedule}, {args.micro_batches} micro-batches")
     history = fit(
         model, corpus, runner=pipe, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, clip=None,
-        seed=args.seed, out=None, limit_batches=args.limit_batches, log=say,
+        seed=args.seed, out=None, limit_batches=args.limit_batches, log=say, lr_decay=recipe.decay,
         progress=rank == 0 and not args.no_progress and sys.stderr.isatty())
     state = pipe.gather_state_dict()
     if rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         model.load_state_dict(state)
         save_model(out / "model.pt", model, corpus.vocab, placement=str(pipe.placement))
         written = ["model.pt"]
@@ -71,6 +96,10 @@ def run_train(args) -> int:
     dist.barrier()
     pipe.close()
     dist.destroy_process_group()
+    problem = diverged(history.summary(), recipe.lr)      # every rank holds the same history
+    if problem:
+        say(f"mpedu.distributed: error: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -107,6 +136,11 @@ def run_check(args) -> int:
         raise ValueError(f"--schedule {args.schedule} names a schedule twice; name each once")
     batch = next(iter(BucketIterator(corpus.train, args.batch_size, seed=args.seed)))  # has padding
     out = Path(args.out) if args.out else None
+    if out:                                  # every rank writes its gradients there (one node each, perhaps)
+        try:
+            prepare_out(out)
+        except OutFolderError as e:
+            raise ValueError(str(e)) from None
     if rank == 0:
         reference = copy.deepcopy(model)
         one = SingleDevice(reference)          # the reference runner: its dropout masks at (seed, step 0)
@@ -114,7 +148,6 @@ def run_check(args) -> int:
         ref_loss = one.train_step(batch).loss
         ref_grads = {n: q.grad for n, q in reference.named_parameters()}
         if out:   # what the ranks start from, so a test can compute the reference itself
-            out.mkdir(parents=True, exist_ok=True)
             torch.save({"state": model.state_dict(), "config": model.config.to_dict(),
                         "vocab_size": model.vocab_size, "seed": args.seed}, out / "check-init.pt")
             torch.save({"inputs": batch.inputs, "targets": batch.targets}, out / "check-batch.pt")

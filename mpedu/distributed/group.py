@@ -1,7 +1,11 @@
 """The process group under torchrun: backend and device per rank, the watchdog, and the data x pipeline mesh."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -34,6 +38,7 @@ def setup(backend: str = "auto", timeout: float = TIMEOUT, heartbeat: float = HE
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    _end_with_the_launcher()
     if not dist.is_initialized():
         # the device binds NCCL's communicator to this rank's GPU at once (no guessing from the rank)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout),
@@ -42,6 +47,17 @@ def setup(backend: str = "auto", timeout: float = TIMEOUT, heartbeat: float = HE
     if heartbeat and _heartbeat is None and "MASTER_ADDR" in os.environ:
         _heartbeat = Heartbeat(dist.get_rank(), dist.get_world_size(), heartbeat).start()
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _end_with_the_launcher() -> None:
+    """Linux: have the kernel end this worker when the process that started it (torchrun's agent) dies.
+    Before the process group is up no heartbeat runs, and a worker waiting for the rendezvous store of a
+    launcher killed meanwhile would wait the whole --timeout."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)         # PR_SET_PDEATHSIG
 
 
 def stop_heartbeat() -> None:

@@ -105,7 +105,10 @@ class DistributedPipeline:
             if s in self.local:
                 self.modules[s] = StageModule(names, [model.layers[n] for n in names]).to(self.device)
         self.owned = [name for s in self.local for name in runs[s][1]]
-        self.params = [p for s in self.local for p in self.modules[s].parameters() if p.requires_grad]
+        # each weight once: a tied one (embed and decode on this rank) would count twice in the clip's norm
+        # and be scaled twice by it
+        self.params = list({id(p): p for s in self.local for p in self.modules[s].parameters()
+                            if p.requires_grad}.values())
         self.dtype = next(model.parameters()).dtype
         if os.environ.get(FAIL_ENV) == str(self.rank):
             self.modules[self.local[0]].fail = True

@@ -36,14 +36,16 @@ def rank_placement(model, placement: str | Placement | None, world_size: int) ->
 
 def _check_world(placement: Placement, world_size: int) -> Placement:
     p = len(placement.devices)
+    # world_size: the ranks of one pipeline (--pipeline-devices, else every process torchrun started)
     if p > world_size:
-        raise ValueError(f"the placement {placement} uses {p} devices but only {world_size} processes run: "
-                         f"one process per device, so start torchrun with --nproc-per-node {p} (on one node) "
-                         "or use fewer devices")
+        raise ValueError(f"the placement {placement} uses {p} devices but a pipeline has {world_size} processes: "
+                         f"one process per device, so start torchrun with --nproc-per-node {p} (on one node), "
+                         f"or --pipeline-devices {p} with a multiple of {p} processes, or use fewer devices")
     if p < world_size:
-        raise ValueError(f"the placement {placement} uses {p} devices but {world_size} processes run, so "
-                         f"rank{'s' if world_size - p > 1 else ''} {', '.join(str(r) for r in range(p, world_size))}"
-                         f" would hold no layers; start {p} processes or place layers on every rank")
+        raise ValueError(f"the placement {placement} uses {p} devices but a pipeline has {world_size} processes, "
+                         f"so rank{'s' if world_size - p > 1 else ''} "
+                         f"{', '.join(str(r) for r in range(p, world_size))} would hold no layers; start {p} "
+                         f"processes (or --pipeline-devices {p}), or place layers on every rank")
     return placement
 
 
