@@ -8,6 +8,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,10 @@ def _end_with_the_launcher() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM, 0, 0, 0)         # PR_SET_PDEATHSIG
+        # the launcher may have died before that line (starting Python and torch takes seconds): this process
+        # was then handed to init, which is no launcher (unless torchrun is itself PID 1, in a container)
+        if os.getppid() == 1 and b"torch" not in Path("/proc/1/cmdline").read_bytes():
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_heartbeat() -> None:
