@@ -30,6 +30,11 @@ class Batch:
         move = lambda x: x.to(device)  # noqa: E731
         return Batch(move(self.inputs), move(self.targets), move(self.mask), self.bucket, self.carry_state)
 
+    def steps(self, start: int, end: int) -> "Batch":
+        """Time steps start..end-1 of every sequence (a time chunk)."""
+        return Batch(self.inputs[start:end], self.targets[start:end], self.mask[start:end], self.bucket,
+                     self.carry_state)
+
     def split(self, m: int) -> list["Batch"]:
         """m micro-batches of B/m columns each, in order: the pipeline's unit of work."""
         B = self.inputs.shape[1]

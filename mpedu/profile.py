@@ -201,9 +201,10 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     like in a Pipeline), each as a one-layer stage would: input detached at the
     boundary, the last layer including the loss. They are a copy of the model's, on
     the device: the caller's model stays where it is, with its gradients and mode (a
-    live Pipeline keeps its layers on its GPUs).
+    live Pipeline keeps its layers on its GPUs). repeats=0 weighs them only: the bytes, every
+    time 0 (a dry forward pass, for the memory model).
     """
-    check_number("repeats", repeats, integer=True, minimum=1)
+    check_number("repeats", repeats, integer=True, minimum=0)
     check_number("warmup", warmup, integer=True)
     check_batch(batch, model.vocab_size)       # the batch a step would accept, named before torch fails inside
     dev = get_device(device)
@@ -286,7 +287,7 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
 
     times = {"F": [[] for _ in layers], "BW": [[] for _ in layers], "B": [[] for _ in layers],
              "W": [[] for _ in layers], "F0": [[] for _ in layers]}
-    for r in range(warmup + repeats):
+    for r in range(warmup + repeats if repeats else 0):
         for k, layer in enumerate(layers):
             weights = [p for p in layer.parameters() if p.requires_grad]
             sync()
@@ -323,7 +324,7 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
         # The weights' .grad is kept from round to round: a step's backwards add into it (all but the first
         # micro-batch's, which finds none after zero_grad), and that addition reads and writes every weight
         # once more: about a quarter of a small micro-batch's backward (bench/fidelity.py's time chunks).
-    med = {key: [statistics.median(v) for v in per] for key, per in times.items()}
+    med = {key: [statistics.median(v) if v else 0.0 for v in per] for key, per in times.items()}
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     return (med["F"], med["BW"], med["B"], med["W"], [sum(s.values()) for s in saved], output_bytes,
             param_bytes, shared, med["F0"]), input_saved

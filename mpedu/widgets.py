@@ -15,7 +15,7 @@ from .costcurve import CostCurve
 from .devices import get_device, get_devices, usable_cores
 from .footprint import device_footprints
 from .link import LINKS
-from .pipeline import Pipeline
+from .pipeline import Pipeline, chunk_bounds
 from .placement import Placement
 from .profile import profile
 from .recipes import CLIP, LR
@@ -64,6 +64,7 @@ class PipelineExplorer(w.VBox):
         self._quiet, self._thread, self._stop, self._measuring = False, None, threading.Event(), {}
         self._update_lock = threading.RLock()              # the kernel and a finished measurement both redraw
         self._model_lock = threading.Lock()                # measuring and training both use the model
+        self._chunk_bytes: dict = {}                       # (T, b, chunks) -> per time chunk, a Costs of bytes
         self._fix = None
         L = len(model.layer_names)
         names = [d.name for d in (get_devices(devices) if isinstance(devices, int) else map(get_device, devices))]
@@ -212,6 +213,29 @@ class PipelineExplorer(w.VBox):
         nearest = min(self._costs.values(), key=lambda c: abs(c.micro_batch[1] - B // m))
         return CostCurve([nearest], []).at(T, B // m), False    # scaled per sequence (small ones cost more)
 
+    def _chunk_sizes(self, schedule, costs):
+        """With time chunks, what each chunk of a micro-batch saves, weighed (a dry forward, no timing) once per
+        shape: a chunk saves more than its share of the whole sequence (its state comes in), and two lengths
+        differ when T is not a multiple of the chunk count. None without chunks, or while a run holds the model
+        (then the footprint takes each chunk as its share, until the next redraw)."""
+        if schedule.chunks == 1:
+            return None
+        T, B = self.batch.inputs.shape
+        key = (T, B // schedule.micro_batches, schedule.chunks)
+        if key not in self._chunk_bytes:
+            if not self._model_lock.acquire(blocking=False):
+                return None
+            try:
+                bounds, weighed = chunk_bounds(T, schedule.chunks), {}
+                for lo, hi in bounds:
+                    if hi - lo not in weighed:
+                        weighed[hi - lo] = profile(self.model, self.batch.steps(lo, hi), costs.device,
+                                                   micro_batches=schedule.micro_batches, warmup=0, repeats=0)
+                self._chunk_bytes[key] = [weighed[hi - lo] for lo, hi in bounds]
+            finally:
+                self._model_lock.release()
+        return self._chunk_bytes[key]
+
     def _measure(self, m: int, device) -> None:
         T, B = self.batch.inputs.shape
         try:
@@ -273,7 +297,8 @@ class PipelineExplorer(w.VBox):
         one = simulate("naive", costs, Placement.single(self.model, placement.devices[0]),
                        micro_batches=schedule.micro_batches)
         # weights, gradients and the activations at the schedule's peak: the one memory model (SGD keeps no state)
-        memory = {f.device: f.total for f in device_footprints(costs, placement, schedule, self.recompute)}
+        memory = {f.device: f.total for f in device_footprints(costs, placement, schedule, self.recompute,
+                                                               chunk_costs=self._chunk_sizes(schedule, costs))}
         self.figures = f = {"makespan_s": t.makespan, "bubble": t.bubble_fraction, "speedup": one.makespan / t.makespan,
                             "transfers": len(t.transfers()), "bytes_moved": t.bytes_moved,
                             "stages": len(placement.stages), "memory_bytes": memory, "estimated": not measured}

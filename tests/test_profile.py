@@ -45,6 +45,15 @@ def test_saved_storages_count_once_and_weights_are_not_activations():
     assert costs.param_bytes[2] == 0 and costs.backward_weight[2] == 0.0
 
 
+def test_repeats_0_weighs_without_timing():
+    model, batch = tiny_model(), make_batch(T=9, B=8)
+    timed = profile(model, batch, micro_batches=2, warmup=0, repeats=1)
+    weighed = profile(model, batch, micro_batches=2, warmup=3, repeats=0)
+    assert weighed.activation_bytes == timed.activation_bytes and weighed.output_bytes == timed.output_bytes
+    assert weighed.param_bytes == timed.param_bytes and weighed.input_saved_bytes == timed.input_saved_bytes
+    assert set(weighed.forward + weighed.backward + weighed.backward_input) == {0.0} and min(timed.forward) > 0
+
+
 def test_layers_run_on_the_devices_worker_single_threaded():
     model = tiny_model(num_layers=1)
     seen = []
