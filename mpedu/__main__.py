@@ -56,8 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt, mid-epoch if need be "
                    "(on any placement or device count), with the run's own --batch-size, --seed, --clip, --bptt "
                    "and --limit-batches unless given; bit for bit with the same micro-batches and chunks, "
-                   "dropout included, else to float rounding (stream mode, --bptt, resumed mid-epoch starts "
-                   "the carried state afresh)")
+                   "dropout and stream mode (--bptt) included, else to float rounding")
     t.add_argument("--checkpoint-every", type=count, default=CHECKPOINT_EVERY, metavar="N",
                    help=f"write DIR/checkpoint.pt every N batches, and at each epoch end; 0: only at epoch "
                         f"ends (default: {CHECKPOINT_EVERY})")

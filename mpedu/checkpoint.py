@@ -300,12 +300,13 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(path, *, model: LSTMLM, optimizer, vocab, history, epoch: int, batch: int = 0,
                     totals: dict | None = None, placement: str | None = None, settings: dict | None = None,
-                    options: dict | None = None) -> None:
+                    options: dict | None = None, carried: dict | None = None) -> None:
     """Everything needed to continue exactly: weights, optimizer, RNGs, data position (epoch, batch), history.
 
     `history` is a train.History (or anything with `to_dict()`). The weights are stored per
     layer name, so a checkpoint loads onto any placement and device count. `settings` fix the
-    data order (batch size, seed, ...); `options` are what a resume may change (lr, clip, decay).
+    data order (batch size, seed, ...); `options` are what a resume may change (lr, clip, decay);
+    `carried`: stream mode's recurrent state going into the next batch (a runner's carried_state).
     Every tensor's checksum is stored with it, and checked on loading.
     """
     content = {
@@ -317,6 +318,7 @@ def save_checkpoint(path, *, model: LSTMLM, optimizer, vocab, history, epoch: in
         "history": history.to_dict(), "vocab": vocab.to_dict(),
         "config_name": _config_name(model.config), "config": model.config.to_dict(), "vocab_size": model.vocab_size,
         "placement": placement, "settings": dict(settings or {}), "options": dict(options or {}),
+        "carried": carried,
     }
     atomic_save({**content, "checksums": checksums(content)}, path)
 

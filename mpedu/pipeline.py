@@ -16,7 +16,7 @@ from .devices import CallerThread, Device, Worker, get_devices, own_cores, stop_
 from .link import Link
 from .mailbox import Aborted, Mailbox
 from .placement import Placement
-from .runner import StepResult, check_batch
+from .runner import StepResult, check_batch, check_carried
 from .schedules import Action, Schedule
 from .stage import Stage
 from .timeline import Event, Timeline
@@ -202,6 +202,39 @@ class Pipeline:
         self._carry_shape = None
         for stage in self.stages:
             stage.reset()
+
+    def carried_state(self) -> dict | None:
+        """The recurrent state stream mode carries into the next batch: {layer: (h, c)}, each (1, B, H) for the
+        whole batch width (the micro-batches side by side), on the CPU; None when nothing is carried. The
+        form is the placement's business no more: any runner loads it (load_carried_state)."""
+        if self._carry_shape is None:
+            return None
+        out = {}
+        for stage in self.stages:
+            for name in stage.names:
+                parts = [stage.state.get(mb, {}).get(name) for mb in range(self.micro_batches)]
+                if parts and all(p is not None for p in parts):
+                    out[name] = tuple(torch.cat([p[i].detach().cpu() for p in parts], dim=1)
+                                      for i in range(len(parts[0])))
+        return out or None
+
+    def load_carried_state(self, state: dict | None) -> None:
+        """Carry `state` (carried_state's form, from any runner) into the next stream-mode batch of its width."""
+        self.reset_state()
+        if not state:
+            return
+        width = check_carried(state, self.model)
+        if width % self.micro_batches:
+            raise ValueError(f"the carried state is {width} sequences wide, which {self.micro_batches} "
+                             "micro-batches do not divide")
+        b = width // self.micro_batches
+        for stage in self.stages:
+            for name in stage.names:
+                if name in state:
+                    for mb in range(self.micro_batches):
+                        stage.state.setdefault(mb, {})[name] = tuple(
+                            t[:, mb * b:(mb + 1) * b].to(stage.device.torch_device).contiguous() for t in state[name])
+        self._carry_shape = (0, width)
 
     def close(self) -> None:
         """End the workers and wait for them. The pipeline cannot run afterwards."""

@@ -8,6 +8,7 @@ from .checkpoint import CheckpointError, load_checkpoint, set_rng_state
 from .faults import all_finite
 from .history import History
 from .options import check_number
+from .runner import check_carried
 
 # what every epoch record of a History holds (and summary() reads)
 EPOCH_KEYS = ("epoch", "lr", "train_ppl", "valid_ppl", "tokens_per_s", "seconds", "tokens", "steps", "train_seconds")
@@ -28,7 +29,8 @@ def _differs(a, b) -> bool:
 
 def restore(path: Path, model, optimizer, vocab, settings: dict, options: dict, lr_given: bool, epochs: int,
             placement: str | None, log):
-    """Load a checkpoint into model, optimizer and RNGs; return (history, epoch, batch, totals).
+    """Load a checkpoint into model, optimizer and RNGs; return (history, epoch, batch, totals, carried),
+    carried: stream mode's recurrent state for the next batch (None: none was carried).
 
     Options (lr, clip, lr_decay) that differ from those the interrupted run was given win, and
     are named; the same values (the same command again) continue exactly, with the lr as the
@@ -50,6 +52,9 @@ def restore(path: Path, model, optimizer, vocab, settings: dict, options: dict, 
                 if isinstance(values[key], bool) or not isinstance(values[key], numbers.Real):
                     raise TypeError(f"{where}: {key}={values[key]!r} is not a number")
         check_number("the learning rate", optimizer.param_groups[0]["lr"], above=True)
+        carried = ckpt.get("carried")
+        if carried is not None:
+            check_carried(carried, model)
     except Exception as e:  # whatever part torch or we trip over, the cause is the file: say so
         raise CheckpointError(f"checkpoint {path} is damaged: {e.__class__.__name__}: {e}; delete it, or pick "
                               "another --out to start afresh") from None
@@ -79,7 +84,7 @@ def restore(path: Path, model, optimizer, vocab, settings: dict, options: dict, 
     where = (f"all {epochs} epochs trained" if pos["epoch"] == epochs
              else f"at epoch {pos['epoch'] + 1}, batch {pos['batch']}")
     log(f"resumed from {path} {where} (lr {optimizer.param_groups[0]['lr']:g})")
-    return history, pos["epoch"], pos["batch"], totals
+    return history, pos["epoch"], pos["batch"], totals, carried
 
 
 def _refuse_going_back(path, pos, epochs: int) -> None:

@@ -42,7 +42,26 @@ class Runner(Protocol):
 
     def reset_state(self) -> None: ...
 
+    # Stream mode, optional: carried_state() -> {layer: (h, c)} of the whole batch width (or None), and
+    # load_carried_state(state), so that a checkpoint taken mid-epoch resumes exactly (SingleDevice, Pipeline).
+
     def close(self) -> None: ...
+
+
+def check_carried(state, model) -> int:
+    """Refuse a carried recurrent state (a runner's carried_state, perhaps read from a checkpoint) that is not
+    {recurrent layer of `model`: tensors (1, B, H) of one width B}; return B."""
+    widths = set()
+    if not isinstance(state, dict):
+        raise TypeError(f"a carried state is a dict {{layer: (h, c)}}, got {type(state).__name__}")
+    for name, tensors in state.items():
+        if name not in model.layer_names or not isinstance(tensors, (tuple, list)) or not tensors or not all(
+                torch.is_tensor(t) and t.is_floating_point() and t.dim() == 3 and t.shape[0] == 1 for t in tensors):
+            raise ValueError(f"the carried state of {name!r} is not (1, B, H) tensors of a layer of this model")
+        widths |= {t.shape[1] for t in tensors}
+    if len(widths) != 1:
+        raise ValueError(f"the carried state's layers are {sorted(widths)} sequences wide; one width expected")
+    return widths.pop()
 
 
 def check_batch(batch, vocab_size: int) -> int:

@@ -5,7 +5,7 @@ import torch
 
 from . import dropout
 from .model import LSTMLM, detach_state, nll_sum
-from .runner import StepResult, check_batch
+from .runner import StepResult, check_batch, check_carried
 
 
 class SingleDevice:
@@ -29,6 +29,19 @@ class SingleDevice:
 
     def close(self) -> None:
         pass
+
+    def carried_state(self) -> dict | None:
+        """The recurrent state carried into the next stream-mode batch, {layer: (h, c)} on the CPU, or None."""
+        if self._state is None:
+            return None
+        return {name: tuple(t.detach().cpu() for t in s) for name, s in self._state.items() if s is not None} or None
+
+    def load_carried_state(self, state: dict | None) -> None:
+        """Carry `state` (any runner's carried_state) into the next stream-mode batch of its width."""
+        self.reset_state()
+        if state:
+            self._width = check_carried(state, self.model)
+            self._state = {name: tuple(t.to(self.device) for t in s) for name, s in state.items()}
 
     def _nll(self, batch) -> torch.Tensor:
         check_batch(batch, self.model.vocab_size)

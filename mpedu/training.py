@@ -130,7 +130,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     out: folder for `checkpoint.pt` (every `checkpoint_every` batches and each epoch end)
       and `model.pt` (final weights + config + vocabulary); created if missing, and locked
       while this runs (a second run on it is refused, naming this one). resume=True continues from
-      out/checkpoint.pt exactly, even mid-epoch (stream mode restarts the carried state);
+      out/checkpoint.pt exactly, even mid-epoch (in stream mode with the state carried into the next batch);
       the lr then comes from the checkpoint, unless `lr` is given and differs from the lr the
       checkpoint's run was given (then `lr` wins, and the run says so). lr=None: LR (10), or
       the checkpoint's on resume. The checkpoint loads onto any placement.
@@ -187,7 +187,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         if chunks > 1 and chunks > (shortest := _shortest_time_steps(batches)):
             raise ValueError(f"chunks={chunks}, but some {split} batches have only {shortest} time steps; "
                              f"use at most {shortest} chunks, or buckets (or bptt) of at least {chunks} steps")
-    history, first_epoch, first_batch, totals = History(), 0, 0, fresh_totals()
+    history, first_epoch, first_batch, totals, carried = History(), 0, 0, fresh_totals(), None
     torch.manual_seed(seed)
     random.seed(seed)
     runner.dropout_seed = seed       # dropout masks: a function of (seed, global step, position); mpedu.dropout
@@ -198,9 +198,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         for stale in remove_stale_temp(ckpt_path) + remove_stale_temp(out / "model.pt"):
             log(f"removed {stale}, a file an interrupted run was writing (never read)")
     if resume and ckpt_path.exists():
-        history, first_epoch, first_batch, totals = restore(ckpt_path, model, optimizer, corpus.vocab, settings,
-                                                            options, given_lr is not None, epochs, placement,
-                                                            log)
+        history, first_epoch, first_batch, totals, carried = restore(
+            ckpt_path, model, optimizer, corpus.vocab, settings, options, given_lr is not None, epochs, placement, log)
     elif ckpt_path is not None and ckpt_path.exists():
         log(f"starting afresh; {ckpt_path} will be overwritten (pass resume=True / --resume to continue it)")
     elif resume:
@@ -221,10 +220,12 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
                                f"batch {batch}: {found}; {ckpt_path} keeps the last good state. Lower the "
                                f"learning rate (now {lr:g}) and resume", layer=found.layer,
                                stage=found.stage, device=found.device)
+        # mid-epoch in stream mode, the state the next batch starts from (any runner loads it)
+        state = getattr(runner, "carried_state", lambda: None)() if bptt and batch > 0 else None
         try:
             save_checkpoint(ckpt_path, model=model, optimizer=optimizer, vocab=corpus.vocab, history=history,
                             epoch=epoch, batch=batch, totals=totals, placement=placement, settings=settings,
-                            options=options)
+                            options=options, carried=state)
         except OSError as e:      # disk full, a file-size limit, ...: the old checkpoint is untouched
             raise WriteFailed(f"cannot write the checkpoint at epoch {epoch + 1}, batch {batch} to {ckpt_path}: "
                               f"{why(e)}; {kept()}. Free some space (or pick another --out) and resume") from e
@@ -248,6 +249,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
             totals = fresh_totals()
         earlier = totals["train_seconds"]  # time spent on this epoch before a resume
         runner.reset_state()
+        if start > 0 and carried is not None:   # stream mode, resumed mid-epoch: the state the stop left
+            runner.load_carried_state(carried)
         # The order is a function of (seed, epoch), so skipping `start` batches lands where we stopped.
         todo = islice(iter(train_batches), start, n_batches)
         bar = tqdm(todo, total=n_batches, initial=start, desc=f"epoch {epoch + 1}/{epochs}", unit="batch",

@@ -435,7 +435,7 @@ PATHS = [("model",), ("model", "layers.lstm0.lstm.weight_hh_l0"), ("optimizer",)
          ("optimizer", "state"), ("rng",), ("rng", "torch"), ("rng", "python"), ("position",), ("position", "epoch"),
          ("position", "batch"), ("position", "totals"), ("history",), ("history", "epochs"), ("vocab",),
          ("vocab", "itos"), ("config",), ("config", "num_layers"), ("config", "hidden_size"), ("vocab_size",),
-         ("settings",), ("format",), ("placement",), ("lr",)]
+         ("settings",), ("format",), ("placement",), ("lr",), ("carried",)]
 
 
 @given(st.sampled_from(PATHS), st.sampled_from(range(len(ODD_VALUES))), st.booleans())

@@ -1,4 +1,5 @@
 """Resuming: exactly after an epoch or mid-epoch, after kill -9 at any moment, on another placement."""
+import contextlib
 import json
 import math
 import os
@@ -95,6 +96,53 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(little, tmp_path):
     resumed = lm(little, seed=99, dropout=0.3)
     h_resumed = train(resumed, little, epochs=2, out=tmp_path / "b", resume=True, **quiet(**EXACT_RUN))
     assert_same_run(h_straight, h_resumed, straight, resumed)
+
+
+STREAM_RUN = dict(batch_size=8, lr=5.0, seed=7, checkpoint_every=3, bptt=6, limit_batches=8)
+
+
+@pytest.mark.parametrize("first,then", [("one device", "one device"), ("pipeline", "pipeline"),
+                                        ("pipeline", "one device")])
+def test_a_stream_mode_resume_mid_epoch_equals_an_uninterrupted_run(little, tmp_path, first, then):
+    """Stream mode (--bptt) carries the LSTM state from batch to batch: a mid-epoch checkpoint keeps the state the
+    next batch starts from, per layer over the whole batch width, so the resume goes on bit for bit (it started
+    the state afresh: weights off by up to 0.1), and on another runner too (to float rounding)."""
+    def runner(kind, model):
+        return SingleDevice(model) if kind == "one device" else Pipeline(
+            model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "1f1b", micro_batches=2)
+
+    straight = lm(little, dropout=0.3)
+    with runner(first, straight) if first == "pipeline" else contextlib.nullcontext(runner(first, straight)) as r:
+        h_straight = train(straight, little, runner=r, epochs=2, out=tmp_path / "a", **quiet(**STREAM_RUN))
+
+    class Stop(Exception):
+        pass
+    model, steps = lm(little, dropout=0.3), []
+    base = runner(first, model)
+    real_step = base.train_step
+
+    def stopping(batch):
+        steps.append(1)
+        if len(steps) == 8 + 5:                    # epoch 2, batch 5: the last checkpoint is at batch 3
+            raise Stop
+        return real_step(batch)
+    base.train_step = stopping
+    with pytest.raises(Stop):
+        train(model, little, runner=base, epochs=2, out=tmp_path / "b", **quiet(**STREAM_RUN))
+    base.close()
+    saved = load_checkpoint(tmp_path / "b" / "checkpoint.pt")
+    assert (saved["position"]["epoch"], saved["position"]["batch"]) == (1, 3)
+    assert set(saved["carried"]) == {"lstm0", "lstm1"} and saved["carried"]["lstm0"][0].shape[1] == 8
+
+    resumed = lm(little, seed=99, dropout=0.3)
+    with runner(then, resumed) if then == "pipeline" else contextlib.nullcontext(runner(then, resumed)) as r:
+        h_resumed = train(resumed, little, runner=r, epochs=2, out=tmp_path / "b", resume=True, **quiet(**STREAM_RUN))
+    if first == then:
+        assert_same_run(h_straight, h_resumed, straight, resumed)
+    else:
+        pa, pb = params(straight), params(resumed)
+        assert all(torch.allclose(pa[k], pb[k], rtol=1e-5, atol=1e-6) for k in pa)
+        assert h_resumed.test_ppl == pytest.approx(h_straight.test_ppl, rel=1e-5)
 
 
 # ---------------------------------------------------------------- kill -9 and resume
