@@ -27,7 +27,7 @@ class _Saved:
     """What backward needs from one forward: the graph's ends and its leaves."""
 
     x: torch.Tensor | None                    # the detached input leaf (None for token ids)
-    output: torch.Tensor                      # activation sent on, or the loss
+    output: torch.Tensor | None               # activation sent on, or the loss (None until R re-runs a recomputed one)
     state_in: list[torch.Tensor] = field(default_factory=list)   # leaves: state from chunk c-1
     state_out: list[torch.Tensor] = field(default_factory=list)  # state handed to chunk c+1
     grads: list | None = None                 # kept by B for W: (outputs, grad_outputs)
@@ -123,7 +123,8 @@ class Stage:
             with torch.no_grad(), dropout.at(where):
                 out = self._run(mb, chunk, x, targets, scale, train=True)[0]
             kept = x.untyped_storage().nbytes() if x.is_floating_point() else 0    # token ids: the step holds them
-            self.saved[mb, chunk] = _Saved(x if x.is_floating_point() else None, out, saved_bytes=kept,
+            # not `out`: the next stage has it (on a GPU, its own copy), and R makes the output backward starts from
+            self.saved[mb, chunk] = _Saved(x if x.is_floating_point() else None, None, saved_bytes=kept,
                                            replay=(x, before, targets, scale, where))
             return out
         # What autograd keeps depends only on the shapes, on whether a state comes in (and wants a gradient),

@@ -15,6 +15,22 @@ def two_stages(model):
             Stage(1, rest, [model.layers[n] for n in rest], dev, is_last=True))
 
 
+def test_a_recomputing_stage_keeps_its_input_and_not_its_output():
+    """Until R, a recomputing stage holds only its input: the output it sent on (on a GPU the next stage's
+    copy lives on another device) is not kept alive by the stage, then R rebuilds it for the backward."""
+    import gc
+    import weakref
+    model, batch = tiny_model(num_layers=2), make_batch()
+    s0, _ = two_stages(model)
+    out = s0.forward(0, 0, batch.inputs, recompute=True)
+    sent = weakref.ref(out)
+    del out
+    gc.collect()
+    assert sent() is None
+    s0.recompute_forward(0, 0)
+    assert s0.backward(0, 0, torch.ones(9, 8, 64)) is None and model.layers["lstm0"].lstm.weight_hh_l0.grad is not None
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_forward_backward_through_two_stages_equals_autograd(split):
     model, batch = tiny_model(num_layers=2), make_batch()
