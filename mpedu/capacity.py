@@ -128,7 +128,9 @@ def _what_fits(sizes: Costs, placement: Placement, schedule: Schedule, recompute
             for k in range(q))
         where = "A placement that fits" if q == p else (
             f"No placement over these {p} devices fits; over {q} devices with {format_size(smallest)} each, one does")
-        return f"{where}: '{fits}' (needs {totals})." + _hints(schedule, p, modes)
+        under = (" under 1f1b (interleaved needs two or more stages per device; this is one stage each)"
+                 if schedule.name == "interleaved" else "")
+        return f"{where}{under}: '{fits}' (needs {totals})." + _hints(schedule, p, modes)
     worst = max(range(n), key=lambda i: need(i, i + 1, devices_now[0], 0, rows).total)
     alone = need(worst, worst + 1, devices_now[0], 0, rows)
     return (f"No placement fits, even one layer per device: {names[worst]} alone needs "
@@ -162,8 +164,9 @@ def _rows_per_stage(schedule: Schedule, q: int) -> tuple[list[list[Action]], set
     schedule's kind (gpipe: every micro-batch before the first backward; 1f1b: at most q - s), and
     the stages whose W frees a micro-batch."""
     m, chunks = schedule.micro_batches, schedule.chunks
+    name = "1f1b" if schedule.name == "interleaved" else schedule.name    # it needs several stages per device
     try:
-        made = schedules.make(schedule.name, list(range(q)), m, chunks)
+        made = schedules.make(name, list(range(q)), m, chunks)
         return made.actions, set(made.split_backward)
     except ValueError:                       # e.g. interleaved needs several stages per device
         return [[Action(a.kind, k, a.mb) for a in _one_row(m * chunks).actions[0]] for k in range(q)], set()

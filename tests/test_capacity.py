@@ -63,6 +63,20 @@ def test_no_placement_fits_says_how_many_devices_would():
             pipe.train_step(make_batch(B=16))
 
 
+def test_an_interleaved_step_over_its_cap_names_a_placement_that_runs():
+    """Interleaved needs two or more stages per device, so the one-stage-per-device placement the message names
+    is for 1f1b, and says so (it named a 3-device placement interleaved cannot run)."""
+    batch = make_batch(T=12, B=8)
+    with Pipeline(tiny_model(), "embed:vgpu0 | lstm0-1:vgpu1 | lstm2:vgpu0 | decode:vgpu1", "interleaved",
+                  micro_batches=4, memory_cap="1.14MB") as pipe:
+        with pytest.raises(MemoryCapError, match="under 1f1b") as err:
+            pipe.train_step(batch)
+    fits = str(err.value).split("one stage each): '")[1].split("'")[0]
+    with Pipeline(tiny_model(), fits, "1f1b", micro_batches=4, memory_cap="1.14MB") as pipe:
+        assert all(n.fits for n in pipe.memory_estimate(batch))
+        assert math.isfinite(pipe.train_step(batch).loss)
+
+
 def test_memory_cap_from_the_command_line(capsys, tmp_path):
     quick = ["train", "--epochs", "1", "--limit-batches", "2", "--batch-size", "16", "--no-progress",
              "--out", str(tmp_path)]
