@@ -2,6 +2,7 @@
 from the board, and the learner's own choice against the best."""
 from __future__ import annotations
 
+import contextlib
 import html
 import threading
 
@@ -9,7 +10,7 @@ import ipywidgets as w
 
 from .costcurve import CostCurve
 from .devices import format_size, parse_size
-from .planner import PlanStopped, plan
+from .planner import PlanStopped, plan, search_shapes
 from .wording import RECOMPUTE, SCHEDULES
 
 ROWS = 4            # plans that fit, fastest first
@@ -41,8 +42,11 @@ class BestPlans(w.VBox):
     mid-search replaces any waiting one and stops the running search at its next candidate.
     """
 
-    def __init__(self, model, batch, apply, memory_cap=None):
+    def __init__(self, model, batch, apply, memory_cap=None, weighed=None, model_lock=None):
         self.model, self.batch, self._apply = model, batch, apply
+        # activation bytes at exact shapes (CostCurve.weigh), shared with the explorer so that a row's memory is
+        # the board's; weighing runs the model, so it waits for `model_lock` (a run trains it meanwhile)
+        self.weighed, self._model_lock = ({} if weighed is None else weighed), model_lock
         self.plans, self.rows, self.searches, self.thread = None, [], 0, None    # searches: planner calls
         self._key = self._args = self._waiting = None
         self._choice = None                          # (choice key, step seconds, peak bytes) or None: refused
@@ -81,7 +85,7 @@ class BestPlans(w.VBox):
         B = self.batch.inputs.shape[1]
         # only the micro-batch counts whose widths were measured: a width scaled from another makes small
         # micro-batches look as cheap per sequence as big ones, and the list would praise the slowest
-        job = (list(devices), link, cap, CostCurve(list(costs), []), sorted(B // b for b in widths))
+        job = (list(devices), link, cap, CostCurve(list(costs), [], self.weighed), sorted(B // b for b in widths))
         with self._drawing:                              # the rows of other devices or costs go at once
             self.plans, self.rows, self.header.value = None, [], "searching…"
             self._draw()
@@ -100,6 +104,9 @@ class BestPlans(w.VBox):
                     return
             devices, link, cap, curve, ms = job
             try:
+                T, B = self.batch.inputs.shape
+                with self._model_lock or contextlib.nullcontext():    # the time chunks' bytes, as measured
+                    curve.weigh(self.model, search_shapes(T, B, ms), curve.widths[0].device)
                 # a newer request (another device count, link or cap) ends this search at the next candidate
                 plans = plan(self.model, self.batch, devices, cap, costs=curve, micro_batches=ms, link=link,
                              should_stop=lambda: self._waiting is not None)

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
+
+from .bucketing import Batch
 from .profile import TIME_FIELDS, Costs, profile
+from .streams import chunk_bounds
 
 _BYTES = ("activation_bytes", "output_bytes", "shared_bytes", "input_saved_bytes")
 
@@ -20,11 +24,16 @@ class CostCurve:
     each layer by its own straight line in T, fitted by least squares on the length
     profiles: an LSTM layer pays per time step, so its time is close to a + c T.
     With one length only, times scale in proportion to T. Parameter bytes do not
-    depend on the shape; activation and output bytes are counted the same way as times.
+    depend on the shape. Activation bytes are exact, not noisy, but not smooth either (oneDNN's
+    LSTM workspace grows in blocks: 36 kB at T = 6, 61 kB at T = 8, 62 kB at T = 10 for one
+    sequence), so they are read at the shape itself where it was profiled or weighed (`weigh`),
+    else piecewise-linearly in T through the profiles of that width, else as times are; with time
+    chunks, each chunk's own length counts (T not a multiple of the chunk count gives two).
     """
 
     widths: list[Costs]
     lengths: list[Costs]
+    weighed: dict = field(default_factory=dict)     # (T, b) -> Costs of bytes at that exact shape (weigh)
 
     def __post_init__(self):
         if not self.widths:
@@ -90,10 +99,39 @@ class CostCurve:
         d = base.to_dict()
         for key in TIME_FIELDS:
             d[key] = [chunks * self._in_b(key, k, b) * self._in_T(key, k, length, b) for k in range(n)]
+        lengths = [hi - lo for lo, hi in chunk_bounds(int(T), chunks)]
         for key in _BYTES:
-            d[key] = [int(round(chunks * self._in_b(key, k, b) * self._in_T(key, k, length, b))) for k in range(n)]
+            d[key] = [int(round(sum(self._bytes(key, k, L, b) for L in lengths))) for k in range(n)]
         d["micro_batch"] = (int(T), int(b))
         return Costs.from_dict(d)
+
+    def _bytes(self, key: str, k: int, T: int, b: int) -> float:
+        """Bytes of layer k at (T, b): where measured, as measured; else through the measured lengths of
+        width b, piecewise linearly; else scaled as a time is."""
+        if (T, b) in self.weighed:
+            return getattr(self.weighed[T, b], key)[k]
+        pts = sorted({c.micro_batch[0]: getattr(c, key)[k] for c in self.widths + self.lengths
+                      if c.micro_batch[1] == b}.items())
+        for L, value in pts:
+            if L == T:
+                return value
+        if len(pts) < 2:
+            return self._in_b(key, k, b) * self._in_T(key, k, T, b)
+        i = next((j for j in range(1, len(pts) - 1) if T <= pts[j][0]), len(pts) - 1)
+        (T0, v0), (T1, v1) = pts[i - 1], pts[i]
+        return max(v0 + (v1 - v0) * (T - T0) / (T1 - T0), 0.0)
+
+    def weigh(self, model, shapes, device="vgpu:0") -> "CostCurve":
+        """Weigh `model`'s layers (a dry forward counting what autograd saves, no timing) at each (T, b) of
+        `shapes` not known exactly yet, so that `at` gives their bytes as measured. Returns self."""
+        for T, b in shapes:
+            if (T, b) in self.weighed or any(c.micro_batch == (T, b) for c in self.widths + self.lengths):
+                continue
+            g = torch.Generator().manual_seed(0)
+            tokens = torch.randint(3, model.vocab_size, (T + 1, b), generator=g)
+            batch = Batch(tokens[:-1], tokens[1:], torch.ones(T, b, dtype=torch.bool), T, False)
+            self.weighed[T, b] = profile(model, batch, device, warmup=0, repeats=0)
+        return self
 
     def to_dict(self) -> dict:
         return {"widths": [c.to_dict() for c in self.widths], "lengths": [c.to_dict() for c in self.lengths]}

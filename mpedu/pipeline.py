@@ -174,7 +174,7 @@ class Pipeline:
             if T < self.chunks:
                 raise ValueError(f"chunks={self.chunks} but this batch has only T={T} time steps; "
                                  f"use at most {T} chunks or longer buckets")
-            plan = BucketPlan(T, B, B // self.micro_batches, chunk_bounds(T, self.chunks))
+            plan = BucketPlan(T, B, B // self.micro_batches, streams.chunk_bounds(T, self.chunks))
             self.bucket_cache[T, B] = plan
         return plan
 
@@ -420,12 +420,6 @@ class Pipeline:
                     Event(device.name, kind, s, a.mb, clock.seconds(start), clock.seconds(end), a.chunk, nbytes,
                           peer, memory) for kind, s, a, start, end, nbytes, peer, memory in marks])
         return job
-
-
-def chunk_bounds(T: int, chunks: int) -> list[tuple[int, int]]:
-    """Where a wavefront cuts T time steps into `chunks` time chunks: [(start, end), ...], lengths within one."""
-    edges = [round(k * T / chunks) for k in range(chunks + 1)]
-    return list(zip(edges, edges[1:]))
 
 
 @dataclass

@@ -37,6 +37,7 @@ from .profile import Costs, StageCost
 from .ranking import Measurement, measure
 from .schedules import Schedule, make as make_schedule
 from .simulate import simulate
+from .streams import chunk_bounds
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1", "wavefront")
 RECOMPUTE = (None, "all", "all-but-last")
@@ -228,6 +229,7 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
         lengths = [T // c for c in chunks if c <= T] if "wavefront" in schedules else []
         costs = profile_curve(model, batch, devs[0], widths=widths, lengths=lengths, length_widths=widths,
                               **profile_args)
+        costs.weigh(model, search_shapes(T, B, ms, chunks if "wavefront" in schedules else ()), devs[0])
     curve = costs if isinstance(costs, CostCurve) else CostCurve([costs], [])
     if curve.names != names:
         raise ValueError(f"the costs cover layers {curve.names}, the model has {names}: profile this model")
@@ -404,9 +406,20 @@ def plan_buckets(model, batches, devices, curve: CostCurve, memory_cap=None, **p
     choice = {}
     for T, counts in sorted(widths.items()):
         B = max(counts, key=counts.get)                 # the bucket's usual width (its last batch may be short)
-        shape = _Shape(T, B)
-        choice[T] = plan(model, shape, devices, memory_cap, costs=curve, **plan_args).best
+        ms = plan_args.get("micro_batches") or [d for d in range(1, B + 1) if B % d == 0]
+        wavefront = "wavefront" in _choices(plan_args.get("schedules", SCHEDULES))
+        # each bucket's activation bytes as measured, not read off the curve (they grow in blocks)
+        curve.weigh(model, search_shapes(T, B, _choices(ms), _choices(plan_args.get("chunks", (2, 4))) if wavefront else ()))
+        choice[T] = plan(model, _Shape(T, B), devices, memory_cap, costs=curve, **plan_args).best
     return choice
+
+
+def search_shapes(T: int, B: int, ms, chunks=(2, 4)) -> set[tuple[int, int]]:
+    """The micro-batch shapes (length, width) a search over these counts meets: whole micro-batches, and
+    the wavefront's time chunks (two lengths where T is not a multiple of the count)."""
+    widths = [B // m for m in ms if isinstance(m, int) and m >= 1 and B % m == 0]
+    lengths = {T} | {hi - lo for c in chunks if isinstance(c, int) and 1 <= c <= T for lo, hi in chunk_bounds(T, c)}
+    return {(L, b) for L in lengths for b in widths}
 
 
 class _Shape:

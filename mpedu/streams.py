@@ -1,7 +1,13 @@
-"""Around a pipeline step: pinned host blocks of the micro-batches, and GPU workers' streams after the caller's."""
+"""Around a pipeline step: time chunks, pinned host blocks of the micro-batches, and GPU workers' streams."""
 from __future__ import annotations
 
 import torch
+
+
+def chunk_bounds(T: int, chunks: int) -> list[tuple[int, int]]:
+    """Where a wavefront cuts T time steps into `chunks` time chunks: [(start, end), ...], lengths within one."""
+    edges = [round(k * T / chunks) for k in range(chunks + 1)]
+    return list(zip(edges, edges[1:]))
 
 
 class MicroBatches:

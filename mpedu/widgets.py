@@ -15,7 +15,8 @@ from .costcurve import CostCurve
 from .devices import get_device, get_devices, usable_cores
 from .footprint import device_footprints
 from .link import LINKS
-from .pipeline import Pipeline, chunk_bounds
+from .pipeline import Pipeline
+from .streams import chunk_bounds
 from .placement import Placement
 from .profile import profile
 from .recipes import CLIP, LR
@@ -64,7 +65,7 @@ class PipelineExplorer(w.VBox):
         self._quiet, self._thread, self._stop, self._measuring = False, None, threading.Event(), {}
         self._update_lock = threading.RLock()              # the kernel and a finished measurement both redraw
         self._model_lock = threading.Lock()                # measuring and training both use the model
-        self._chunk_bytes: dict = {}                       # (T, b, chunks) -> per time chunk, a Costs of bytes
+        self._weighed: dict = {}                           # (T, b) -> a Costs of bytes (CostCurve.weigh)
         self._fix = None
         L = len(model.layer_names)
         names = [d.name for d in (get_devices(devices) if isinstance(devices, int) else map(get_device, devices))]
@@ -95,7 +96,8 @@ class PipelineExplorer(w.VBox):
         self.message, self.figure_line, self.note, self.run_status = w.HTML(), w.HTML(), w.HTML(), w.HTML()
         self.note.add_class("mpedu-note")
         self.message.add_class("mpedu-message")        # the placement's own line (the best plans name others)
-        self.best_plans = BestPlans(model, batch, self.apply, memory_cap)   # the planner's fastest, one click away
+        # the planner's fastest, one click away; it reads the bytes the board does
+        self.best_plans = BestPlans(model, batch, self.apply, memory_cap, self._weighed, self._model_lock)
         self.fix_button = w.Button(layout=w.Layout(display="none", width="max-content"))
         self.timeline = TimelineView()
         self.run_button = w.Button(description=f"Run {steps} steps", icon="play", button_style="success")
@@ -213,28 +215,24 @@ class PipelineExplorer(w.VBox):
         nearest = min(self._costs.values(), key=lambda c: abs(c.micro_batch[1] - B // m))
         return CostCurve([nearest], []).at(T, B // m), False    # scaled per sequence (small ones cost more)
 
-    def _chunk_sizes(self, schedule, costs):
-        """With time chunks, what each chunk of a micro-batch saves, weighed (a dry forward, no timing) once per
-        shape: a chunk saves more than its share of the whole sequence (its state comes in), and two lengths
-        differ when T is not a multiple of the chunk count. None without chunks, or while a run holds the model
-        (then the footprint takes each chunk as its share, until the next redraw)."""
+    def _memory_costs(self, schedule, costs):
+        """`costs` with the bytes of time chunks as measured (CostCurve.at over weighed chunk lengths, as the best
+        plans read them): a chunk saves more than its share of the whole sequence (its state comes in), and T not a
+        multiple of the chunk count gives two lengths. Weighing runs the model once per shape; while a run holds
+        the model, the footprint takes each chunk as its share until the next redraw."""
         if schedule.chunks == 1:
-            return None
+            return costs
         T, B = self.batch.inputs.shape
-        key = (T, B // schedule.micro_batches, schedule.chunks)
-        if key not in self._chunk_bytes:
+        curve, b = CostCurve([costs], [], self._weighed), B // schedule.micro_batches
+        missing = {(hi - lo, b) for lo, hi in chunk_bounds(T, schedule.chunks)} - set(self._weighed)
+        if missing:
             if not self._model_lock.acquire(blocking=False):
-                return None
+                return costs
             try:
-                bounds, weighed = chunk_bounds(T, schedule.chunks), {}
-                for lo, hi in bounds:
-                    if hi - lo not in weighed:
-                        weighed[hi - lo] = profile(self.model, self.batch.steps(lo, hi), costs.device,
-                                                   micro_batches=schedule.micro_batches, warmup=0, repeats=0)
-                self._chunk_bytes[key] = [weighed[hi - lo] for lo, hi in bounds]
+                curve.weigh(self.model, missing, costs.device)
             finally:
                 self._model_lock.release()
-        return self._chunk_bytes[key]
+        return curve.at(T, b, schedule.chunks)
 
     def _measure(self, m: int, device) -> None:
         T, B = self.batch.inputs.shape
@@ -297,8 +295,8 @@ class PipelineExplorer(w.VBox):
         one = simulate("naive", costs, Placement.single(self.model, placement.devices[0]),
                        micro_batches=schedule.micro_batches)
         # weights, gradients and the activations at the schedule's peak: the one memory model (SGD keeps no state)
-        memory = {f.device: f.total for f in device_footprints(costs, placement, schedule, self.recompute,
-                                                               chunk_costs=self._chunk_sizes(schedule, costs))}
+        memory = {f.device: f.total for f in device_footprints(self._memory_costs(schedule, costs), placement,
+                                                               schedule, self.recompute)}
         self.figures = f = {"makespan_s": t.makespan, "bubble": t.bubble_fraction, "speedup": one.makespan / t.makespan,
                             "transfers": len(t.transfers()), "bytes_moved": t.bytes_moved,
                             "stages": len(placement.stages), "memory_bytes": memory, "estimated": not measured}

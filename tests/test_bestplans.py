@@ -12,7 +12,7 @@ from test_widgets import B, M, T, fixed_costs, moved  # noqa: E402
 from mpedu.bestplans import describe, same_plan  # noqa: E402
 from mpedu.costcurve import CostCurve  # noqa: E402
 from mpedu.link import LINKS  # noqa: E402
-from mpedu.planner import plan  # noqa: E402
+from mpedu.planner import plan, search_shapes  # noqa: E402
 from mpedu.widgets import PipelineExplorer  # noqa: E402
 
 
@@ -25,11 +25,13 @@ def make(memory_cap=None, costs=None):
 
 
 def planned(explorer, memory_cap=None, profiles=None):
-    """What mpedu.plan says for the explorer's devices and link, on its costs, searched afresh."""
+    """What mpedu.plan says for the explorer's devices and link, on its costs (the time chunks' bytes weighed, as the
+    explorer weighs them), searched afresh."""
     profiles = profiles or [fixed_costs(explorer.model)]
     ms = sorted(B // c.micro_batch[1] for c in profiles)
+    curve = CostCurve(profiles, []).weigh(explorer.model, search_shapes(T, B, ms))
     return plan(explorer.model, explorer.batch, explorer.board.devices, memory_cap,
-                costs=CostCurve(profiles, []), micro_batches=ms, link=explorer.link)
+                costs=curve, micro_batches=ms, link=explorer.link)
 
 
 def key(c):

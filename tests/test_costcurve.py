@@ -3,6 +3,7 @@ import pytest
 
 from conftest import fake_costs, make_batch, tiny_model
 from mpedu.costcurve import CostCurve, profile_curve
+from mpedu.streams import chunk_bounds
 
 
 def test_costcurve_reproduces_its_profiles_and_interpolates_between():
@@ -54,3 +55,32 @@ def test_profile_curve_profiles_every_width_and_length_asked_for():
         profile_curve(model, batch, widths=[3])
     with pytest.raises(ValueError, match="length 12 is outside the batch's 1..9 time steps"):
         profile_curve(model, batch, widths=[8], lengths=[12], warmup=0, repeats=1)
+
+
+@pytest.mark.parametrize("T,m,chunks", [(15, 8, 1), (5, 2, 1), (8, 1, 1), (10, 2, 3), (7, 1, 4)])
+def test_bytes_at_a_weighed_shape_are_what_a_step_holds(T, m, chunks):
+    """An LSTM's saved bytes grow in blocks with T (oneDNN's workspace), so a curve through other lengths
+    misses by up to ~40%; weighed at the shape, the footprint is the step's, time chunks of two lengths
+    included."""
+    from mpedu.footprint import device_footprints
+    from mpedu.pipeline import Pipeline
+    model = tiny_model()
+    curve = profile_curve(model, make_batch(T=20, B=8), widths=[1, 2, 8], lengths=[10], warmup=0, repeats=1)
+    curve.weigh(model, [(hi - lo, 8 // m) for lo, hi in chunk_bounds(T, chunks)])
+    assert len(curve.weighed) >= 1
+    batch = make_batch(T=T, B=8, seed=3)
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "wavefront" if chunks > 1 else "1f1b",
+                  micro_batches=m, chunks=chunks) as pipe:
+        held = pipe.train_step(batch).timeline
+        predicted = device_footprints(curve.at(T, 8 // m, chunks), pipe.placement, pipe.schedule)
+    for f in predicted:
+        assert f.activations == pytest.approx(held.peak_memory(f.device), rel=0.01), (f.device, T, m)
+
+
+def test_plan_buckets_weighs_each_buckets_shapes():
+    from mpedu.planner import plan_buckets
+    model = tiny_model()
+    curve = profile_curve(model, make_batch(T=20, B=8), widths=[2, 8], lengths=[10], warmup=0, repeats=1)
+    plan_buckets(model, [(6, 8), (13, 8)], 2, curve, micro_batches=(1, 4), schedules=("gpipe", "wavefront"),
+                 chunks=(2,))
+    assert {(6, 8), (6, 2), (13, 8), (13, 2), (3, 8), (3, 2), (7, 2)} <= set(curve.weighed)
