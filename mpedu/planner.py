@@ -409,7 +409,8 @@ def plan_buckets(model, batches, devices, curve: CostCurve, memory_cap=None, **p
         ms = plan_args.get("micro_batches") or [d for d in range(1, B + 1) if B % d == 0]
         wavefront = "wavefront" in _choices(plan_args.get("schedules", SCHEDULES))
         # each bucket's activation bytes as measured, not read off the curve (they grow in blocks)
-        curve.weigh(model, search_shapes(T, B, _choices(ms), _choices(plan_args.get("chunks", (2, 4))) if wavefront else ()))
+        chunks = _choices(plan_args.get("chunks", (2, 4))) if wavefront else ()
+        curve.weigh(model, search_shapes(T, B, _choices(ms), chunks))
         choice[T] = plan(model, _Shape(T, B), devices, memory_cap, costs=curve, **plan_args).best
     return choice
 

@@ -53,8 +53,8 @@ def _add_pipeline_options(parser, schedule_help: str) -> None:
                             "the same as the threads and the simulator); torch: PyTorch's own schedule class "
                             "for the name, to compare (default: mpedu)")
     group.add_argument("--micro-batches", type=positive_int, default=4, metavar="M",
-                       help="micro-batches per batch and replica (default: 4); the batch size must be a multiple "
-                            "of replicas x M")
+                       help="micro-batches per batch and replica (default: 4); train needs a batch size that is a "
+                            "multiple of replicas x M (check pads its one batch to that)")
     group.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
                        help="auto: NCCL on cuda:LOCAL_RANK when every process on the node has a GPU of its "
                             "own, else gloo on the CPU for all")
