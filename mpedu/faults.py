@@ -57,13 +57,24 @@ def find_fault(model: LSTMLM, runner=None, batch=None) -> Fault:
        (from a fresh recurrent state, with the generators put back afterwards);
     3. the gradients: backward runs from the last layer to the first, so the last layer in
        model order whose weight gradient is not finite is where it started.
-    Only called after a bad step, so a healthy step pays nothing for it.
+    Only called after a bad step, so a healthy step pays nothing for it. On one rank of a torchrun
+    pipeline (a runner with `owned` layers and `agree_on_fault`), the rank looks at its own layers
+    only (its copies of the others are stale) and every rank then names the same fault.
     """
+    agree = getattr(runner, "agree_on_fault", None)
+    if agree is not None:
+        return agree(_search(model, runner, None, list(runner.owned), getattr(runner, "bad_before_clip", None)))
+    return _search(model, runner, batch, model.layer_names)
+
+
+def _search(model: LSTMLM, runner, batch, layers: list[str], bad_gradients=None) -> Fault:
+    """find_fault over `layers`; `bad_gradients`: the layers whose gradients were non-finite before something
+    (a clip over several ranks) spread the NaN to all of them."""
     def fault(layer, what, **kw):
         stage, device = _locate(runner, model, layer)
         return Fault(layer, what, stage, device, **kw)
 
-    for name in model.layer_names:
+    for name in layers:
         for pname, p in model.layers[name].named_parameters():
             if not all_finite([p.detach()]):
                 return fault(name, f"its weight {pname} holds {_describe_bad(p.detach())}", in_weights=True)
@@ -71,13 +82,25 @@ def find_fault(model: LSTMLM, runner=None, batch=None) -> Fault:
         found = _first_bad_output(model, batch)
         if found is not None:
             return fault(*found)
-    for name in reversed(model.layer_names):
+    for name in reversed(layers if bad_gradients is None else [n for n in layers if n in bad_gradients]):
         for pname, p in model.layers[name].named_parameters():
             if p.grad is not None and not all_finite([p.grad]):
                 return fault(name, f"the gradient of {pname} holds {_describe_bad(p.grad)} (its forward output "
                                    "was finite: the backward overflowed)")
     return Fault(None, "every weight, output and gradient was finite when checked again (from a fresh "
                        "recurrent state); the step's result was not")
+
+
+def first_of(faults: list[Fault], layer_names: list[str]) -> Fault:
+    """Of the faults several ranks found in their own layers, where it started: a broken weight first (the
+    earliest), else a gradient (the latest layer: backward runs from the last to the first), else none."""
+    found = [f for f in faults if f.layer is not None]
+    weights = [f for f in found if f.in_weights]
+    if weights:
+        return min(weights, key=lambda f: layer_names.index(f.layer))
+    if found:
+        return max(found, key=lambda f: layer_names.index(f.layer))
+    return faults[0]
 
 
 def _first_bad_output(model: LSTMLM, batch):

@@ -199,17 +199,56 @@ dist.destroy_process_group()
 """
 
 
-@needs_gloo
-def test_a_weight_tied_on_one_rank_is_clipped_once(tmp_path):
-    """embed and decode share a weight on rank 0 (stages 0 and 2): the clip counted it twice in the norm and
-    scaled its gradient twice (0.96 relative error against one process)."""
-    script = tmp_path / "tied_clip.py"
-    script.write_text(TIED_CLIP)
+NAN_WEIGHT = """
+import torch, torch.distributed as dist
+from mpedu.distributed import DistributedPipeline, setup
+from mpedu.data import load_corpus
+from mpedu.faults import NumericFault
+from mpedu.model import LSTMLM
+from mpedu.training import train
+setup("gloo")
+corpus = load_corpus()
+torch.manual_seed(0)
+model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
+pipe = DistributedPipeline(model, "embed,lstm0:a | lstm1,decode:b", "gpipe", 2, width=16, clip=0.25)
+if dist.get_rank() == 1:
+    with torch.no_grad():
+        model.layers["lstm1"].lstm.weight_hh_l0[0, 0] = float("nan")
+try:
+    train(model, corpus, runner=pipe, epochs=1, batch_size=16, limit_batches=2, progress=False, log=lambda *a: None)
+except NumericFault as e:
+    print(f"rank {dist.get_rank()} fault {e.layer} stage {e.stage}: {e}", flush=True)
+pipe.close()
+dist.destroy_process_group()
+"""
+
+
+def _run_script(tmp_path, text: str):
+    script = tmp_path / "script.py"
+    script.write_text(text)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
+
+
+@needs_gloo
+def test_every_rank_names_the_layer_a_nan_came_from(tmp_path):
+    """A NaN weight in lstm1 on rank 1: rank 0 looked at its own stale copy of lstm1 and blamed lstm0's gradient
+    (the clip had spread the NaN there); now each rank searches its own layers and all name the same one."""
+    proc = _run_script(tmp_path, NAN_WEIGHT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = sorted(re.findall(r"rank (\d) fault (\w+) stage \d: .*?First non-finite: layer \w+ \(stage \d on "
+                              r"rank:\d\): its weight (\S+) holds 1 nan", proc.stdout))
+    assert found == [("0", "lstm1", "lstm.weight_hh_l0"), ("1", "lstm1", "lstm.weight_hh_l0")], proc.stdout
+
+
+@needs_gloo
+def test_a_weight_tied_on_one_rank_is_clipped_once(tmp_path):
+    """embed and decode share a weight on rank 0 (stages 0 and 2): the clip counted it twice in the norm and
+    scaled its gradient twice (0.96 relative error against one process)."""
+    proc = _run_script(tmp_path, TIED_CLIP)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = next(line for line in proc.stdout.splitlines() if line.startswith("tied"))
     assert line.startswith("tied True") and float(line.split()[-1]) < 1e-5, line

@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..faults import Fault, first_of
 from ..model import nll_sum
 from ..placement import Placement
 from ..runner import StepResult, fit_width
@@ -119,6 +120,7 @@ class DistributedPipeline:
         self._nll: list[torch.Tensor] = []
         self._scale = 1.0
         self.last_timeline = None
+        self.bad_before_clip: list[str] | None = None     # this rank's layers with non-finite gradients, before a clip
         # Positional dropout (mpedu.dropout), as Pipeline and SingleDevice: train() sets both
         self.dropout_seed, self.dropout_step = 0, 0
         self._key: dropout.Position | None = None     # this step's, while it trains
@@ -165,6 +167,7 @@ class DistributedPipeline:
         for module in self.modules.values():
             module.train()
         batch, tokens = self._prepare(batch)
+        self.bad_before_clip = None
         self.recorder.start_step()
         self._key = dropout.Position(self.dropout_seed, self.dropout_step)
         try:
@@ -311,12 +314,23 @@ class DistributedPipeline:
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
             local += torch.linalg.vector_norm(g).float() ** 2
+        if not torch.isfinite(local):      # the clip is about to spread it to every layer: note where it was
+            self.bad_before_clip = [name for s in self.local for name, layer in zip(self.modules[s].names,
+                                                                                   self.modules[s].layers)
+                                    if any(p.grad is not None and not torch.isfinite(p.grad).all()
+                                           for p in layer.parameters())]
         dist.all_reduce(local, group=self.mesh.pp)
         total = local.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)   # as torch.nn.utils.clip_grad_norm_
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total.item()
+
+    def agree_on_fault(self, fault: Fault) -> Fault:
+        """Every rank's finding in its own layers (mpedu.faults.find_fault), gathered: the same fault on all."""
+        found = [None] * self.world
+        dist.all_gather_object(found, fault)
+        return first_of(found, self.model.layer_names)
 
     def gather_state_dict(self, dst: int = 0) -> dict | None:
         """The whole model's weights on rank `dst` (None elsewhere): each rank sends its layers'."""
