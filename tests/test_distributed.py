@@ -210,10 +210,16 @@ setup("gloo")
 corpus = load_corpus()
 torch.manual_seed(0)
 model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
-pipe = DistributedPipeline(model, "embed,lstm0:a | lstm1,decode:b", "gpipe", 2, width=16, clip=0.25)
+CASE = "CASE_HERE"
+pipe = DistributedPipeline(model, "embed,lstm0:a | lstm1,decode:b", "gpipe", 2, width=16,
+                           clip=0.25 if CASE == "weight" else None)
 if dist.get_rank() == 1:
-    with torch.no_grad():
-        model.layers["lstm1"].lstm.weight_hh_l0[0, 0] = float("nan")
+    weight = model.layers["lstm1"].lstm.weight_hh_l0
+    if CASE == "weight":
+        with torch.no_grad():
+            weight[0, 0] = float("nan")
+    else:                      # a gradient overflows on rank 1 only; the loss stays finite
+        weight.register_hook(lambda g: g * float("inf"))
 try:
     train(model, corpus, runner=pipe, epochs=1, batch_size=16, limit_batches=2, progress=False, log=lambda *a: None)
 except NumericFault as e:
@@ -234,13 +240,17 @@ def _run_script(tmp_path, text: str):
 
 
 @needs_gloo
-def test_every_rank_names_the_layer_a_nan_came_from(tmp_path):
+@pytest.mark.parametrize("case", ["weight", "gradient"])
+def test_every_rank_names_the_layer_a_nan_came_from(tmp_path, case):
     """A NaN weight in lstm1 on rank 1: rank 0 looked at its own stale copy of lstm1 and blamed lstm0's gradient
-    (the clip had spread the NaN there); now each rank searches its own layers and all name the same one."""
-    proc = _run_script(tmp_path, NAN_WEIGHT)
+    (the clip had spread the NaN there); now each rank searches its own layers and all name the same one. A
+    gradient that overflows on rank 1 alone (the loss finite, no clip) fails the step on rank 0 too, which
+    would otherwise step on and wait for rank 1."""
+    proc = _run_script(tmp_path, NAN_WEIGHT.replace("CASE_HERE", case))
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    what = "its weight (\\S+) holds 1 nan" if case == "weight" else "the gradient of (\\S+) holds"
     found = sorted(re.findall(r"rank (\d) fault (\w+) stage \d: .*?First non-finite: layer \w+ \(stage \d on "
-                              r"rank:\d\): its weight (\S+) holds 1 nan", proc.stdout))
+                              r"rank:\d\): " + what, proc.stdout))
     assert found == [("0", "lstm1", "lstm.weight_hh_l0"), ("1", "lstm1", "lstm.weight_hh_l0")], proc.stdout
 
 

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..faults import Fault, first_of
+from ..faults import Fault, all_finite, first_of
 from ..model import nll_sum
 from ..placement import Placement
 from ..runner import StepResult, fit_width
@@ -181,9 +181,19 @@ class DistributedPipeline:
             self._clip_grad_norm(self.clip)
         events = self.recorder.events() if self.recorder.enabled else []
         nll = float(sum(t.double().item() for t in self._nll)) if self.rank == self.last_rank else None
+        finite = all_finite([p.grad for p in self.params if p.grad is not None])
+        if not finite and self.bad_before_clip is None:
+            self.bad_before_clip = self._bad_layers()
         gathered = [None] * self.world
-        dist.all_gather_object(gathered, (nll, events))   # the loss lives on the last ranks; events on each
+        dist.all_gather_object(gathered, (nll, events, finite))   # the loss lives on the last ranks; events on each
         nll = sum(part[0] for part in gathered if part[0] is not None)
+        if finite and not all(part[2] for part in gathered):
+            # another rank's gradients are not finite: the step must fail here too, or this rank would step
+            # on while that one stops, and wait for it until --timeout
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+            self.bad_before_clip = []
         timeline = None
         if self.recorder.enabled:
             timeline = merge([part[1] for part in gathered], self.devices)
@@ -315,16 +325,18 @@ class DistributedPipeline:
         for g in grads:
             local += torch.linalg.vector_norm(g).float() ** 2
         if not torch.isfinite(local):      # the clip is about to spread it to every layer: note where it was
-            self.bad_before_clip = [name for s in self.local for name, layer in zip(self.modules[s].names,
-                                                                                   self.modules[s].layers)
-                                    if any(p.grad is not None and not torch.isfinite(p.grad).all()
-                                           for p in layer.parameters())]
+            self.bad_before_clip = self._bad_layers()
         dist.all_reduce(local, group=self.mesh.pp)
         total = local.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)   # as torch.nn.utils.clip_grad_norm_
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total.item()
+
+    def _bad_layers(self) -> list[str]:
+        """This rank's layers whose gradients hold a NaN or inf."""
+        return [name for s in self.local for name, layer in zip(self.modules[s].names, self.modules[s].layers)
+                if not all_finite([p.grad for p in layer.parameters() if p.grad is not None] or [torch.zeros(1)])]
 
     def agree_on_fault(self, fault: Fault) -> Fault:
         """Every rank's finding in its own layers (mpedu.faults.find_fault), gathered: the same fault on all."""
