@@ -250,7 +250,10 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         earlier = totals["train_seconds"]  # time spent on this epoch before a resume
         runner.reset_state()
         if start > 0 and carried is not None:   # stream mode, resumed mid-epoch: the state the stop left
-            runner.load_carried_state(carried)
+            if hasattr(runner, "load_carried_state"):
+                runner.load_carried_state(carried)
+            else:
+                log(f"note: {type(runner).__name__} cannot take the carried state back; it starts afresh")
         # The order is a function of (seed, epoch), so skipping `start` batches lands where we stopped.
         todo = islice(iter(train_batches), start, n_batches)
         bar = tqdm(todo, total=n_batches, initial=start, desc=f"epoch {epoch + 1}/{epochs}", unit="batch",
