@@ -73,6 +73,10 @@ def restore(path: Path, model, optimizer, vocab, settings: dict, options: dict, 
     for key in ("clip", "lr_decay"):
         if key in saved and _differs(saved[key], options[key]):
             log(f"note: the checkpoint's run used {key}={saved[key]}; this run uses {key}={options[key]} (given)")
+    for key in ("micro_batches", "chunks"):     # how a step adds up: another count changes the float rounding
+        if key in saved and _differs(saved[key], options[key]):
+            log(f"note: the checkpoint's run used {key}={saved[key]}; this run uses {key}={options[key]}, so the "
+                "numbers follow the interrupted run to float rounding, not bit for bit")
     changed = {k: (ckpt["settings"].get(k), v) for k, v in settings.items() if _differs(ckpt["settings"].get(k), v)}
     if changed:
         log("note: the checkpoint used " + ", ".join(f"{k}={a}" for k, (a, _) in changed.items())

@@ -175,7 +175,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     ckpt_path = out / "checkpoint.pt" if out else None
     settings = {"batch_size": batch_size, "seed": seed, "bptt": bptt, "buckets": list(buckets) if buckets else None,
                 "limit_batches": limit_batches}
-    options = {"lr": float(lr), "clip": clip, "lr_decay": list(lr_decay) if lr_decay else None}  # a resume may change
+    options = {"lr": float(lr), "clip": clip, "lr_decay": list(lr_decay) if lr_decay else None,   # a resume may change
+               "micro_batches": getattr(runner, "micro_batches", 1), "chunks": getattr(runner, "chunks", 1)}
     placement = str(runner.placement) if hasattr(runner, "placement") else None
     # Every split is batched before anything is trained, so a setting the data cannot meet
     # (a bad bucket list, time chunks longer than a bucket) fails now, not after an hour.

@@ -214,6 +214,20 @@ def test_a_clip_given_on_resume_is_named(little120, tmp_path):
     assert any("clip=0.25; this run uses clip=1.0" in line for line in lines), lines
 
 
+def test_another_micro_batch_count_on_resume_is_named(little120, tmp_path):
+    """Bit for bit needs the same micro-batches and chunks; another count resumes (to float rounding) and says so."""
+    from mpedu.pipeline import Pipeline
+    model = lm(little120)
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "gpipe", micro_batches=2) as pipe:
+        train(model, little120, runner=pipe, epochs=1, out=tmp_path, **short_run())
+    lines, model = [], lm(little120)
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "gpipe", micro_batches=4) as pipe:
+        train(model, little120, runner=pipe, epochs=2, out=tmp_path, resume=True, **short_run(lines))
+    assert any("used micro_batches=2; this run uses micro_batches=4" in line and "float rounding" in line
+               for line in lines), lines
+    assert not any("chunks=" in line for line in lines)
+
+
 def test_fewer_epochs_than_trained_is_refused_and_the_checkpoint_is_untouched(capsys, tmp_path):
     assert cli.main(["train", *QUICK, "--epochs", "2", "--out", str(tmp_path)]) == 0
     before = (tmp_path / "checkpoint.pt").read_bytes()
