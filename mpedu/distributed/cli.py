@@ -59,8 +59,7 @@ def _add_pipeline_options(parser, schedule_help: str) -> None:
                        help="auto: NCCL on cuda:LOCAL_RANK when every process on the node has a GPU of its "
                             "own, else gloo on the CPU for all")
     group.add_argument("--timeout", type=_at_least(10, "setting up the ranks alone can take that long"),
-                       default=TIMEOUT,
-                       metavar="S",
+                       default=TIMEOUT, metavar="S",
                        help=f"seconds a rank waits for a busy peer before failing (default: {TIMEOUT}); with "
                             "torchrun, a failing rank also makes torchrun stop the others at once")
     group.add_argument("--heartbeat", type=_at_least(1, "a shorter silence is a busy machine's scheduling, not a "
