@@ -53,7 +53,7 @@ DEVICES3 = ["vgpu:0", "vgpu:1", "vgpu:2"]
 def _profiles(model, batch, warmup, repeats):
     """One round's profiles: the full batch's micro-batch, then the chunk length and a shorter one, same width."""
     full = profile(model, batch, DEVICES[0], micro_batches=M, warmup=warmup, repeats=repeats)
-    short = [profile(model, _first_steps(batch, L), DEVICES[0], micro_batches=M, warmup=warmup, repeats=repeats)
+    short = [profile(model, batch.steps(0, L), DEVICES[0], micro_batches=M, warmup=warmup, repeats=repeats)
              for L in (T // CHUNKS, 14)]
     return [full] + short
 
@@ -69,7 +69,7 @@ def main(argv=None):
     torch.manual_seed(0)
     model = LSTMLM(VOCAB, CONFIG)
     batch = random_batch(VOCAB, T, B)
-    bucket = _first_steps(random_batch(VOCAB, T, B, seed=1), BUCKET)
+    bucket = random_batch(VOCAB, T, B, seed=1).steps(0, BUCKET)
     micro = batch.split(M)[0]
     first = _profiles(model, batch, warmup=2, repeats=3)
     balanced = balance_by_time(model, batch, DEVICES, micro_batches=M, costs=first[0])
@@ -220,11 +220,6 @@ def _minor_faults() -> int:
 def _cores_text(other) -> str:
     known = [c for c in other if c is not None]
     return f"{min(known):.2f}-{max(known):.2f}" if known else "(unknown: not Linux)"
-
-
-def _first_steps(batch, L: int):
-    """The batch cut to its first L time steps: a shorter bucket of the same sentences."""
-    return type(batch)(batch.inputs[:L], batch.targets[:L], batch.mask[:L], L, batch.carry_state)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, paired_rounds, random_batch  # noqa: E402
 
-from mpedu.bucketing import Batch  # noqa: E402
 from mpedu.devices import usable_cores  # noqa: E402
 from mpedu.footprint import device_footprints  # noqa: E402
 from mpedu.model import LSTMLM, LMConfig  # noqa: E402
@@ -45,13 +44,9 @@ CASES = {"naive": (TWO, M, 1), "gpipe": (TWO, M, 1), "1f1b": (TWO, M, 1), "inter
 MODES = (None, "all", "all-but-last")
 
 
-def first_steps(batch, steps: int) -> Batch:
-    return Batch(batch.inputs[:steps], batch.targets[:steps], batch.mask[:steps], steps, False)
-
-
 def run_case(model, batch, schedule, placement, m, chunks, repeats, cores, costs) -> dict:
     # a time chunk saves more than 1/chunks of the sequence: its bytes are profiled at its own length
-    chunk_costs = (profile(model, first_steps(batch, T // chunks), micro_batches=m, warmup=0, repeats=1)
+    chunk_costs = (profile(model, batch.steps(0, T // chunks), micro_batches=m, warmup=0, repeats=1)
                    if chunks > 1 else None)
     pipes = {mode: Pipeline(model, placement, schedule, micro_batches=m, chunks=chunks, recompute=mode)
              for mode in MODES}

@@ -31,8 +31,9 @@ class Batch:
         return Batch(move(self.inputs), move(self.targets), move(self.mask), self.bucket, self.carry_state)
 
     def steps(self, start: int, end: int) -> "Batch":
-        """Time steps start..end-1 of every sequence (a time chunk)."""
-        return Batch(self.inputs[start:end], self.targets[start:end], self.mask[start:end], self.bucket,
+        """Time steps start..end-1 of every sequence: a time chunk, or (from 0) a shorter bucket of the same
+        sentences; its bucket length is its own."""
+        return Batch(self.inputs[start:end], self.targets[start:end], self.mask[start:end], end - start,
                      self.carry_state)
 
     def split(self, m: int) -> list["Batch"]:

@@ -171,14 +171,10 @@ def profile_curve(model, batch, device="vgpu:0", widths=None, lengths=None, leng
     for L in sorted(set(lengths or []) - {T}):
         if not 1 <= L <= T:
             raise ValueError(f"length {L} is outside the batch's 1..{T} time steps; profile a longer batch")
-        short = _first_steps(batch, L)
+        short = batch.steps(0, L)
         for b in sorted(set(length_widths or widths[:1])):
             if b not in widths:
                 raise ValueError(f"length_widths has {b}, which is not among the widths {widths}")
             by_length.append(profile(model, short, device, micro_batches=B // b, **profile_args))
     return CostCurve(by_width, by_length)
 
-
-def _first_steps(batch, L: int):
-    """The batch cut to its first L time steps (a shorter bucket of the same sentences)."""
-    return type(batch)(batch.inputs[:L], batch.targets[:L], batch.mask[:L], L, batch.carry_state)

@@ -83,10 +83,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*args, env=None, timeout=120, processes=2):
-    """Run `torchrun --nproc-per-node PROCESSES -m mpedu.distributed ARGS`; return (process, seconds)."""
+def torchrun(*args, env=None, timeout=120, processes=2, script=None):
+    """Run `torchrun --nproc-per-node PROCESSES -m mpedu.distributed ARGS` (or the Python file `script`);
+    return (process, seconds)."""
+    target = [str(script)] if script is not None else ["-m", "mpedu.distributed", *args]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(processes),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "mpedu.distributed", *args]
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *target]
     # CUDA_VISIBLE_DEVICES="": the ranks run gloo on the CPU, which the CPU tolerances below assume
     # (on a GPU machine they would pick NCCL; bench/gpu_check.py runs that case)
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -230,13 +232,10 @@ dist.destroy_process_group()
 
 
 def _run_script(tmp_path, text: str):
+    """torchrun on 2 processes of the Python program `text`."""
     script = tmp_path / "script.py"
     script.write_text(text)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script)]
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=120)
+    return torchrun(script=script)[0]
 
 
 @needs_gloo

@@ -7,7 +7,6 @@ import torch
 from conftest import make_batch, tiny_model
 from mpedu import schedules
 from mpedu.balance import balance_by_time
-from mpedu.bucketing import Batch
 from mpedu.footprint import device_footprints, param_sizes, peak_held, stage_footprint, unit_bytes
 from mpedu.memory import memory_report
 from mpedu.pipeline import Pipeline
@@ -24,11 +23,6 @@ SCHEDULES = [("naive", FOUR, 2, 1), ("gpipe", FOUR, 4, 1), ("1f1b", FOUR, 4, 1),
              ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3)]
 
 
-def first_steps(batch, T):
-    """`batch` cut to its first T time steps (one time chunk's length)."""
-    return Batch(batch.inputs[:T], batch.targets[:T], batch.mask[:T], T, False)
-
-
 @pytest.mark.parametrize("recompute", [None, "all", "all-but-last"])
 @pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 def test_the_model_agrees_with_what_a_step_holds(schedule, placement, m, chunks, recompute):
@@ -38,7 +32,7 @@ def test_the_model_agrees_with_what_a_step_holds(schedule, placement, m, chunks,
     batch = make_batch(T=12, B=8)
     model = tiny_model(dropout=0.3)
     costs = profile(model, batch, micro_batches=m, warmup=0, repeats=1)
-    chunk_costs = (profile(model, first_steps(batch, 12 // chunks), micro_batches=m, warmup=0, repeats=1)
+    chunk_costs = (profile(model, batch.steps(0, 12 // chunks), micro_batches=m, warmup=0, repeats=1)
                    if chunks > 1 else None)
     with Pipeline(model, placement, schedule, micro_batches=m, chunks=chunks, recompute=recompute) as pipe:
         estimate = pipe.memory_estimate(batch)
