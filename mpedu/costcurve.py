@@ -81,9 +81,7 @@ class CostCurve:
         pts = [(c.micro_batch[1], getattr(c, key)[k]) for c in self.widths]
         if len(pts) == 1:
             return pts[0][1] * b / pts[0][0]                 # one width: proportional to b
-        i = next((j for j in range(1, len(pts) - 1) if b <= pts[j][0]), len(pts) - 1)
-        (b0, v0), (b1, v1) = pts[i - 1], pts[i]
-        return max(v0 + (v1 - v0) * (b - b0) / (b1 - b0), 0.0)
+        return _piecewise(pts, b)
 
     def at(self, T: int, b: int, chunks: int = 1) -> Costs:
         """The Costs of one micro-batch of shape (T, b), for simulate, balance or the planner.
@@ -117,9 +115,7 @@ class CostCurve:
                 return value
         if len(pts) < 2:
             return self._in_b(key, k, b) * self._in_T(key, k, T, b)
-        i = next((j for j in range(1, len(pts) - 1) if T <= pts[j][0]), len(pts) - 1)
-        (T0, v0), (T1, v1) = pts[i - 1], pts[i]
-        return max(v0 + (v1 - v0) * (T - T0) / (T1 - T0), 0.0)
+        return _piecewise(pts, T)
 
     def weigh(self, model, shapes, device="vgpu:0") -> "CostCurve":
         """Weigh `model`'s layers (a dry forward counting what autograd saves, no timing) at each (T, b) of
@@ -148,6 +144,14 @@ class CostCurve:
     @classmethod
     def from_dict(cls, d: dict) -> "CostCurve":
         return cls([Costs.from_dict(c) for c in d["widths"]], [Costs.from_dict(c) for c in d.get("lengths", [])])
+
+
+def _piecewise(pts: list[tuple[float, float]], x: float) -> float:
+    """The value at x of the broken line through `pts` (sorted by x, two or more), extended straight past its
+    ends, never below 0."""
+    i = next((j for j in range(1, len(pts) - 1) if x <= pts[j][0]), len(pts) - 1)
+    (x0, v0), (x1, v1) = pts[i - 1], pts[i]
+    return max(v0 + (v1 - v0) * (x - x0) / (x1 - x0), 0.0)
 
 
 def profile_curve(model, batch, device="vgpu:0", widths=None, lengths=None, length_widths=None,
