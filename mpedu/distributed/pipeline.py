@@ -336,7 +336,7 @@ class DistributedPipeline:
     def _bad_layers(self) -> list[str]:
         """This rank's layers whose gradients hold a NaN or inf."""
         return [name for s in self.local for name, layer in zip(self.modules[s].names, self.modules[s].layers)
-                if not all_finite([p.grad for p in layer.parameters() if p.grad is not None] or [torch.zeros(1)])]
+                if any(p.grad is not None and not all_finite([p.grad]) for p in layer.parameters())]
 
     def agree_on_fault(self, fault: Fault) -> Fault:
         """Every rank's finding in its own layers (mpedu.faults.find_fault), gathered: the same fault on all."""
