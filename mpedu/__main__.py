@@ -60,9 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=count, default=CHECKPOINT_EVERY, metavar="N",
                    help=f"write DIR/checkpoint.pt every N batches, and at each epoch end; 0: only at epoch "
                         f"ends (default: {CHECKPOINT_EVERY})")
-    t.add_argument("--skip-bad-batches", action="store_true",
-                   help="skip a batch whose loss or gradient is NaN or inf (counted in the summary) instead "
-                        "of stopping")
     t.add_argument("--limit-batches", type=positive_int, metavar="N",
                    help="use only the first N batches of each split per epoch: a quick smoke test, "
                         "whose perplexities describe those batches only")

@@ -135,6 +135,9 @@ def add_training_options(parser: argparse.ArgumentParser, clip_over: str, resume
                         help="fixes the run: initialisation, data order and dropout masks, which depend on "
                              "(seed, step, layer, position) only, so every placement and schedule draws the "
                              "same (default: 0)")
+    parser.add_argument("--skip-bad-batches", action="store_true",
+                        help="skip a batch whose loss or gradient is NaN or inf (counted in the summary) instead "
+                             "of stopping")
 
 
 def shorten(text: str, limit: int = 60) -> str:

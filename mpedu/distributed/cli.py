@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "last step's timeline (every rank: last_step.png, last_step.json, "
                                         "last_step.timeline.json) in --out. Not offered: --bptt (state cannot "
                                         "cross ranks), --chunks, --recompute, --memory-cap, --link (the ranks' "
-                                        "link is real), --resume, --checkpoint-every (no checkpoints: model.pt "
-                                        "is written at the end) and --skip-bad-batches.")
+                                        "link is real), --resume and --checkpoint-every (no checkpoints: model.pt "
+                                        "is written at the end).")
     add_training_options(t, clip_over="all ranks' gradients", resume=False)
     t.add_argument("--out", default="runs/distributed", metavar="DIR",
                    help="where rank 0 writes model.pt and the timeline (default: runs/distributed)")

@@ -74,6 +74,7 @@ def _train(args, rank, world, device, say, recipe, p, out) -> int:
     history = fit(
         model, corpus, runner=pipe, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, clip=None,
         seed=args.seed, out=None, limit_batches=args.limit_batches, log=say, lr_decay=recipe.decay,
+        skip_bad_batches=args.skip_bad_batches,
         progress=rank == 0 and not args.no_progress and sys.stderr.isatty())
     state = pipe.gather_state_dict()
     if rank == 0:
