@@ -28,8 +28,9 @@ class _Saved:
 
     x: torch.Tensor | None                    # the detached input leaf (None for token ids)
     output: torch.Tensor | None               # activation sent on, or the loss (None until R re-runs a recomputed one)
-    state_in: list[torch.Tensor] = field(default_factory=list)   # leaves: state from chunk c-1
-    state_out: list[torch.Tensor] = field(default_factory=list)  # state handed to chunk c+1
+    # per LSTM layer, by name (a frozen layer's state may want no gradient while a later layer's does):
+    state_in: dict[str, tuple] = field(default_factory=dict)     # leaves (h, c): state from chunk c-1
+    state_out: dict[str, tuple] = field(default_factory=dict)    # (h, c) handed to chunk c+1
     grads: list | None = None                 # kept by B for W: (outputs, grad_outputs)
     saved_bytes: int = 0                      # activations autograd keeps for backward
     replay: tuple | None = None               # recomputation: (input, state before, targets, scale, dropout Position)
@@ -77,7 +78,7 @@ class Stage:
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.state: dict[int, dict] = {}        # micro-batch -> per-layer (h, c) after its latest chunk
         self.carry, self.chunks = True, 1       # the step's: keep the final state for the next? time chunks
-        self.state_grad: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self.state_grad: dict[tuple[int, int], dict[str, tuple]] = {}   # (mb, chunk): {layer: (dh, dc)}
         self.nll: dict[tuple[int, int], torch.Tensor] = {}   # last stage: summed NLL per (mb, chunk)
         self._saved_bytes: dict[tuple, int] = {}   # what a kind of forward keeps for backward (see forward)
 
@@ -206,7 +207,7 @@ class Stage:
         run started from; it records nothing (the state and the loss are the first run's)."""
         previous = self.state.get(mb, {}) if before is None else before
         keep = before is None and (self.carry or chunk < self.chunks - 1)    # a later chunk or step reads it
-        state_in, state_out, new_state = [], [], {}
+        state_in, state_out, new_state = {}, {}, {}
         for name, layer in zip(self.names, self.layers):
             state = previous.get(name)
             if state is not None:
@@ -216,12 +217,12 @@ class Stage:
                 wanted = train and chunk > 0 and (x.requires_grad or any(p.requires_grad for p in layer.parameters()))
                 state = tuple(t.detach().requires_grad_(wanted) for t in state)
                 if wanted:
-                    state_in += list(state)
+                    state_in[name] = state
             x, state = layer(x, state)
             if state is not None:
                 if keep:
                     new_state[name] = tuple(t.detach() for t in state)
-                state_out += list(state)
+                state_out[name] = state
         if keep:
             self.state[mb] = new_state
         if self.is_last:
@@ -239,12 +240,14 @@ class Stage:
         saved = self.saved[mb, chunk]
         outputs, grads = [saved.output], [grad_out]   # grad None: the loss itself (d loss / d loss = 1)
         state_grads = self.state_grad.pop((mb, chunk), None)
-        if state_grads is not None:                     # from chunk + 1's backward
-            for t, g in zip(saved.state_out, state_grads):
-                if g is not None:
-                    outputs.append(t)
-                    grads.append(g)
-        leaves = ([saved.x] if saved.x is not None else []) + saved.state_in
+        if state_grads is not None:                     # from chunk + 1's backward, layer by layer
+            for name, layer_grads in state_grads.items():
+                for t, g in zip(saved.state_out[name], layer_grads):
+                    if g is not None and t.requires_grad:   # else nothing before it trains
+                        outputs.append(t)
+                        grads.append(g)
+        state_leaves = [t for state in saved.state_in.values() for t in state]
+        leaves = ([saved.x] if saved.x is not None else []) + state_leaves
         params = self.params
         if not leaves and not (params and saved.output.requires_grad):
             # Nothing here wants a gradient: frozen layers whose input is token ids (or whose
@@ -268,7 +271,9 @@ class Stage:
                               if leaves else [])
             saved.grads = [outputs, grads]
         if saved.state_in:                             # hand the state gradient to chunk - 1
-            self.state_grad[mb, chunk - 1] = list(leaf_grads[-len(saved.state_in):])
+            given = iter(leaf_grads[-len(state_leaves):])
+            self.state_grad[mb, chunk - 1] = {name: tuple(next(given) for _ in state)
+                                              for name, state in saved.state_in.items()}
         return leaf_grads[0] if saved.x is not None else None
 
     def backward_weight(self, mb: int, chunk: int) -> None:

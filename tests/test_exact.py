@@ -152,6 +152,23 @@ def test_frozen_layers_train_like_one_device(schedule, placement, m, chunks, fro
     assert all(g is None for name, g in got[0][1].items() if name.split(".")[1] in frozen)
 
 
+@pytest.mark.parametrize("schedule,m,chunks", [("gpipe", 4, 1), ("zb1", 4, 1), ("wavefront", 1, 2),
+                                              ("wavefront", 2, 3)])
+def test_a_frozen_lstm_on_token_ids_beside_a_training_one_on_stage_0(schedule, m, chunks):
+    """embed and lstm0 frozen, lstm1 training on the same first stage: with time chunks only lstm1's state
+    wants a gradient from the next chunk, and it went to lstm0's state, paired by position (a crash in
+    backward: "element 1 of tensors does not require grad")."""
+    def build():
+        model = tiny_model(dropout=P)
+        model.layers["embed"].requires_grad_(False)
+        model.layers["lstm0"].requires_grad_(False)
+        return model
+    batches = [make_batch(T=9, B=8, seed=k) for k in range(2)]
+    got = pipelined(build(), schedule, "embed,lstm0-1:vgpu0 | lstm2,decode:vgpu1", m, chunks, batches, seed=1)
+    assert_same(got, one_device(build(), batches, seed=1))
+    assert got[0][1]["layers.lstm1.lstm.weight_hh_l0"] is not None
+
+
 def test_a_layer_frozen_after_the_pipeline_was_built_gets_no_gradient():
     model = tiny_model()
     with Pipeline(model, THREE, "zb1", micro_batches=2) as pipe:
