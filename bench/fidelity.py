@@ -15,8 +15,8 @@ Each virtual device is one worker thread; how many of them the CPU runs at full 
 alongside and given to the simulator as `cores`.
 Rounds interleave profiling, that measurement and every case, so load that drifts
 over minutes falls on all of them alike; each round waits for a quiet moment and runs again if
-other processes took more than a tenth of a core meanwhile (bench/quiet.py). A recomputing stage's
-first forward is charged the profiled forward without autograd (Costs.forward_nograd).
+other processes took more than a tenth of a core meanwhile (bench/quiet.py). A recomputed micro-batch's
+forward is charged twice: its first run (autograd on, keeping nothing) and R before its backward.
 """
 from __future__ import annotations
 

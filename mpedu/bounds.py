@@ -47,8 +47,8 @@ def time_bound(schedule, stage_costs, p, cores, recompute) -> float:
       back through those stages (tail; 0 where a W may come last);
     - naive runs one micro-batch's whole trip after another: m trips;
     - devices sharing `cores` cores: all the work spread over them.
-    Recomputation adds a forward per recomputed micro-batch (and its first forward, recording nothing,
-    costs forward_nograd). With time chunks the head, tail and trip are one chunk's (cost / chunks)."""
+    Recomputation adds a forward per recomputed micro-batch (R). With time chunks the head, tail and
+    trip are one chunk's (cost / chunks)."""
     split, m, chunks = schedule.split_backward, schedule.micro_batches, schedule.chunks
     again = {None: 0, "all": m, "all-but-last": m - 1}[recompute]
     work = [0.0] * p
@@ -56,15 +56,13 @@ def time_bound(schedule, stage_costs, p, cores, recompute) -> float:
     for s, c in enumerate(stage_costs):
         d = schedule.stage_devices[s]
         back = c.backward_input + c.backward_weight if s in split else c.backward
-        # m forwards and backwards; a recomputed one's first forward costs forward_nograd, its R a forward
-        work[d] += m * (c.forward + back) + again * c.forward_nograd
+        # m forwards and backwards, and a forward again (R) per recomputed micro-batch
+        work[d] += m * (c.forward + back) + again * c.forward
         first[d] = s if first[d] is None else first[d]
     fwd = [0.0]                                         # fwd[s]: one chunk's forward through stages < s
     bwd = [0.0]
-    nograd = 0.0                                        # one trip's forwards without autograd
     for s, c in enumerate(stage_costs):
-        fwd.append(fwd[-1] + (c.forward if recompute is None else min(c.forward, c.forward_nograd)) / chunks)
-        nograd += c.forward_nograd / chunks
+        fwd.append(fwd[-1] + c.forward / chunks)
         bwd.append(bwd[-1] + (c.backward_input if s in split else c.backward) / chunks)
     bound = 0.0
     for d in range(p):
@@ -74,7 +72,7 @@ def time_bound(schedule, stage_costs, p, cores, recompute) -> float:
     bound = max(bound, fwd[-1] + bwd[-1])
     if schedule.name == "naive":
         trip = sum(c.forward + (c.backward_input if s in split else c.backward) for s, c in enumerate(stage_costs))
-        bound = max(bound, m * trip / chunks + again * nograd)
+        bound = max(bound, m * trip / chunks + again * fwd[-1])     # and the recomputed forwards
     if cores is not None and cores < p:
         bound = max(bound, sum(work) / cores)
     return bound

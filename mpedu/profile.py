@@ -17,7 +17,7 @@ from .runner import check_batch
 from .stage import count_saved, is_recurrent
 
 # the fields of StageCost and Costs that are seconds (CostCurve scales them with the shape)
-TIME_FIELDS = ("forward", "backward", "backward_input", "backward_weight", "forward_nograd")
+TIME_FIELDS = ("forward", "backward", "backward_input", "backward_weight")
 
 
 @dataclass(frozen=True)
@@ -44,14 +44,10 @@ class StageCost:
     input_bytes: int = 0                   # the stage's input (0 for token ids): all a recomputing stage keeps
     input_saved_bytes: int = 0             # the part of activation_bytes that is the input itself
     trainable_bytes: int | None = None     # weights that get a gradient (default: param_bytes)
-    forward_nograd: float | None = None    # the forward without autograd (default: forward), what a
-                                           # recomputing stage's first forward costs (it keeps nothing)
 
     def __post_init__(self):
         if self.trainable_bytes is None:
             object.__setattr__(self, "trainable_bytes", self.param_bytes)
-        if self.forward_nograd is None:
-            object.__setattr__(self, "forward_nograd", self.forward)
         if self.backward is None:
             object.__setattr__(self, "backward", 2.0 * self.forward)
         for half in ("backward_input", "backward_weight"):
@@ -91,7 +87,6 @@ class Costs:
     device: str = "vgpu:0"
     trainable_bytes: list[int] | None = None     # weights that get a gradient; None: all of param_bytes
     input_saved_bytes: list[int] | None = None   # bytes of its own input a layer saves; None: 0
-    forward_nograd: list[float] | None = None    # forward under torch.no_grad (recomputation); None: forward
     recurrent: list[bool] | None = None          # layers with a recurrent kernel (Stage); None: none known
 
     def __post_init__(self):
@@ -99,8 +94,6 @@ class Costs:
         n = len(self.names)
         if self.trainable_bytes is None:
             self.trainable_bytes = list(self.param_bytes)
-        if self.forward_nograd is None:
-            self.forward_nograd = list(self.forward)
         if self.input_saved_bytes is None:
             self.input_saved_bytes = [0] * n
         if self.recurrent is None:
@@ -148,8 +141,7 @@ class Costs:
                 names=tuple(names),
                 input_bytes=self.output_bytes[first - 1] if first > 0 else 0,
                 input_saved_bytes=self.input_saved_bytes[first],
-                trainable_bytes=sum(self.trainable_bytes[k] for k in ks),
-                forward_nograd=sum(self.forward_nograd[k] for k in ks)))
+                trainable_bytes=sum(self.trainable_bytes[k] for k in ks)))
         return out
 
     def table(self) -> str:
@@ -181,13 +173,16 @@ class Costs:
         if not runs or any(r.names != runs[0].names for r in runs):
             raise ValueError("Costs.median needs one or more profiles of the same layers")
         d = runs[0].to_dict()
-        for key in ("forward", "backward", "backward_input", "backward_weight", "forward_nograd"):
+        for key in TIME_FIELDS:
             d[key] = [statistics.median(getattr(r, key)[k] for r in runs) for k in range(len(runs[0].names))]
         return cls.from_dict(d)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Costs":
         known = {f.name for f in fields(cls)}
+        # a profile saved before a recomputing stage's first forward ran with autograd (keeping nothing)
+        # timed that forward without autograd; it now costs the forward
+        d = {k: v for k, v in d.items() if k != "forward_nograd"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown Costs fields {sorted(unknown)}; expected {sorted(known)}")
@@ -217,10 +212,10 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     finally:
         worker.stop()
     params, trainable = param_sizes(twin, model.layer_names)      # a tied weight once
-    f, bw, b, w, act, out, _, shared, f0 = measured
+    f, bw, b, w, act, out, _, shared = measured
     return Costs(model.layer_names, f, bw, b, w, act, out, params, shared, micro_batch=tuple(micro.inputs.shape),
                  recurrent=[is_recurrent(twin.layers[name]) for name in model.layer_names],
-                 device=dev.name, trainable_bytes=trainable, input_saved_bytes=input_saved, forward_nograd=f0)
+                 device=dev.name, trainable_bytes=trainable, input_saved_bytes=input_saved)
 
 
 def _copy_without_grads(model):
@@ -286,7 +281,7 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
                    for k, x in enumerate(inputs)]
 
     times = {"F": [[] for _ in layers], "BW": [[] for _ in layers], "B": [[] for _ in layers],
-             "W": [[] for _ in layers], "F0": [[] for _ in layers]}
+             "W": [[] for _ in layers]}
     for r in range(warmup + repeats if repeats else 0):
         for k, layer in enumerate(layers):
             weights = [p for p in layer.parameters() if p.requires_grad]
@@ -312,14 +307,10 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
                 torch.autograd.backward([y], [grad], inputs=weights)
             sync()
             t5 = time.perf_counter()
-            if r < warmup:                  # F0 repeats what the warm-up already warmed
+            if r < warmup:
                 continue
-            with torch.no_grad():           # F0: the forward a recomputing stage runs first, recording nothing
-                forward(k, inputs[k])
-            sync()
-            t6 = time.perf_counter()
             b, w = (t4 - t3 if leaves else 0.0), (t5 - t4 if weights else 0.0)
-            for key, value in (("F", t1 - t0), ("BW", t2 - t1), ("B", b), ("W", w), ("F0", t6 - t5)):
+            for key, value in (("F", t1 - t0), ("BW", t2 - t1), ("B", b), ("W", w)):
                 times[key][k].append(value)
         # The weights' .grad is kept from round to round: a step's backwards add into it (all but the first
         # micro-batch's, which finds none after zero_grad), and that addition reads and writes every weight
@@ -327,4 +318,4 @@ def _measure_layers(layers, micro, dev, warmup, repeats):
     med = {key: [statistics.median(v) if v else 0.0 for v in per] for key, per in times.items()}
     param_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     return (med["F"], med["BW"], med["B"], med["W"], [sum(s.values()) for s in saved], output_bytes,
-            param_bytes, shared, med["F0"]), input_saved
+            param_bytes, shared), input_saved

@@ -40,8 +40,8 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     Device names come from the placement, else `devices`, else gpu:0 … gpu:p-1.
     recompute: as for Pipeline (None, "all", "all-but-last", {stage: mode}; a Pipeline's own by
     default). A recomputed micro-batch's backward first runs the forward again: its B costs B + F,
-    drawn as an "R" event (the forward's share) followed by the B; its first forward, which keeps
-    nothing for autograd, costs the profiled forward without autograd (StageCost.forward_nograd).
+    drawn as an "R" event (the forward's share) followed by the B; its first forward (autograd on,
+    keeping nothing) costs the forward.
     Events carry the activation bytes they add or free (Event.memory, from the costs' activation
     bytes, as mpedu.footprint counts them): the predicted timeline's peak_memory is the model's.
     """
@@ -140,13 +140,8 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
     def rerun(a):
         return a.kind == "B" and recomputed(a)
 
-    # a recomputed micro-batch's F records nothing for autograd (torch.no_grad): its own, cheaper cost
-    nograd = [c.forward_nograd / chunks for c in stage_costs]
-
     def cost(d, a):
-        if a.kind == "F" and recomputed(a):
-            return nograd[a.stage] / speed[d]
-        # a recomputed micro-batch's B runs its forward again first (with autograd: the F it skipped)
+        # a recomputed micro-batch's B runs its forward again first (its F kept nothing: the same F again)
         own = per_kind[a.kind][a.stage] + (per_kind["F"][a.stage] if rerun(a) else 0.0)
         return own / speed[d]
 

@@ -36,6 +36,14 @@ class _Saved:
     replay: tuple | None = None               # recomputation: (input, state before, targets, scale, dropout Position)
 
 
+def _keep_nothing(_tensor):
+    return None
+
+
+def _kept_nothing(_):
+    raise RuntimeError("a recomputing stage's first forward keeps nothing for backward; R runs it again")
+
+
 def count_saved(storages: dict[int, int], skip: set[int]):
     """A saved-tensors pack hook that records each storage autograd keeps for backward as
     {address: bytes}, once however many tensors view it, leaving out the addresses in `skip`."""
@@ -121,8 +129,10 @@ class Stage:
             x = x.detach().requires_grad_(True)     # boundary: backward stops here
         if recompute:
             before = self.state.get(mb, {})
-            with torch.no_grad(), dropout.at(where):
-                out = self._run(mb, chunk, x, targets, scale, train=True)[0]
+            # Autograd on, as on one device (an LSTM's kernels without autograd round differently, and R
+            # must differentiate the very numbers sent on), but nothing kept: each tensor is dropped as saved.
+            with torch.autograd.graph.saved_tensors_hooks(_keep_nothing, _kept_nothing), dropout.at(where):
+                out = self._run(mb, chunk, x, targets, scale, train=True)[0].detach()
             kept = x.untyped_storage().nbytes() if x.is_floating_point() else 0    # token ids: the step holds them
             # not `out`: the next stage has it (on a GPU, its own copy), and R makes the output backward starts from
             self.saved[mb, chunk] = _Saved(x if x.is_floating_point() else None, None, saved_bytes=kept,
