@@ -219,14 +219,17 @@ class Pipeline:
         return out or None
 
     def load_carried_state(self, state: dict | None) -> None:
-        """Carry `state` (carried_state's form, from any runner) into the next stream-mode batch of its width."""
+        """Carry `state` (carried_state's form, from any runner) into the next stream-mode batch of its width
+        (widened, as mpedu.runner.fitted widens that batch, by empty columns when the micro-batches do not
+        divide it: their state is zeros, and no loss or gradient depends on it)."""
         self.reset_state()
         if not state:
             return
         width = check_carried(state, self.model)
-        if width % self.micro_batches:
-            raise ValueError(f"the carried state is {width} sequences wide, which {self.micro_batches} "
-                             "micro-batches do not divide")
+        extra = -width % self.micro_batches
+        state = {name: tuple(torch.cat([t, t.new_zeros(t.shape[0], extra, t.shape[2])], 1) for t in ts)
+                 for name, ts in state.items()}
+        width += extra
         b = width // self.micro_batches
         for stage in self.stages:
             for name in stage.names:

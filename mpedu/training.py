@@ -221,8 +221,12 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
                                f"batch {batch}: {found}; {ckpt_path} keeps the last good state. Lower the "
                                f"learning rate (now {lr:g}) and resume", layer=found.layer,
                                stage=found.stage, device=found.device)
-        # mid-epoch in stream mode, the state the next batch starts from (any runner loads it)
+        # mid-epoch in stream mode, the state the next batch starts from (any runner loads it): its first
+        # batch_size columns, the stream's; a pipeline's batch was widened by empty columns (fitted) when its
+        # micro-batches do not divide batch_size, and another runner's is not
         state = getattr(runner, "carried_state", lambda: None)() if bptt and batch > 0 else None
+        if state is not None:
+            state = {name: tuple(t[:, :batch_size] for t in ts) for name, ts in state.items()}
         try:
             save_checkpoint(ckpt_path, model=model, optimizer=optimizer, vocab=corpus.vocab, history=history,
                             epoch=epoch, batch=batch, totals=totals, placement=placement, settings=settings,
