@@ -38,8 +38,9 @@ class Pipeline:
         print(result.loss, result.timeline.summary())
 
     `placement` is a Placement, a placement string, a dict layer -> device, or a
-    device count (an even split). Workers persist across steps; `close()` (or
-    garbage collection, or a `with` block) ends them.
+    device count (an even split). `schedule` is a name (then `micro_batches`, default 4,
+    and `chunks`, default 1, shape it) or a Schedule, which brings its own. Workers
+    persist across steps; `close()` (or garbage collection, or a `with` block) ends them.
 
     `memory_cap` limits what a device may hold: one size for every device ("2MB",
     or a number of bytes) or a dict device -> size ({"vgpu:0": "2MB"}). Before the
@@ -63,13 +64,13 @@ class Pipeline:
     """
 
     def __init__(self, model, placement: Placement | str | dict | int = 2, schedule: str | Schedule = "gpipe",
-                 micro_batches: int = 4, chunks: int = 1, memory_cap=None, link: Link | str | None = None,
+                 micro_batches: int | None = None, chunks: int | None = None, memory_cap=None, link: Link | str | None = None,
                  recompute=None):
         self.model = model
         self.placement = _as_placement(placement, model)
         if not isinstance(schedule, (str, Schedule)):
             raise TypeError(f"schedule must be a name such as 'gpipe' or a Schedule, got {schedule!r}")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks must be a whole number >= 1, got {chunks!r}")
         if isinstance(micro_batches, bool):
             raise ValueError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}")
@@ -85,8 +86,14 @@ class Pipeline:
                 raise ValueError(f"schedule {schedule.name!r} was built for stage devices "
                                  f"{list(schedule.stage_devices)}, but this placement gives {stage_devices}")
             self.schedule = schedule.validate()
+            for what, given, own in (("micro_batches", micro_batches, schedule.micro_batches),
+                                     ("chunks", chunks, schedule.chunks)):
+                if given is not None and given != own:
+                    raise ValueError(f"{what}={given}, but the schedule {schedule.name!r} was built for {own}; "
+                                     f"leave {what} out (a Schedule brings its own) or build the schedule for {given}")
         else:
-            self.schedule = schedules.make(schedule, stage_devices, micro_batches, chunks)
+            self.schedule = schedules.make(schedule, stage_devices, 4 if micro_batches is None else micro_batches,
+                                           1 if chunks is None else chunks)
         self.micro_batches = self.schedule.micro_batches
         self.chunks = self.schedule.chunks
         self.devices: list[Device] = self.placement.devices
@@ -266,6 +273,11 @@ class Pipeline:
         if not self._finalizer.alive:
             raise RuntimeError("this Pipeline is closed; build a new one")
         tokens = check_batch(batch, self.model.vocab_size)
+        for stage in self.stages:        # the stages run the layers they were given: a swapped one would not train
+            for name, layer in zip(stage.names, stage.layers):
+                if self.model.layers[name] is not layer:
+                    raise RuntimeError(f"the model's layer {name!r} was replaced after this Pipeline was built, "
+                                       "which would go on running the old one; build a new Pipeline on the model")
         plan = self._plan(batch)
         if train and self.memory_cap and not plan.memory_checked:
             # before the step: nothing has run yet

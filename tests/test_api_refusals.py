@@ -34,6 +34,18 @@ def test_train_refuses_a_runner_built_on_another_model_or_no_runner_at_all(corpu
         train(model, corpus.train, epochs=1, progress=False)
 
 
+def test_a_schedule_built_for_other_micro_batches_or_chunks_is_refused_not_overridden():
+    """Pipeline(model, TWO, gpipe-for-2, micro_batches=4) ran 2 micro-batches without a word."""
+    from mpedu import schedules
+    model = tiny_model()
+    for schedule, options, what in ((schedules.gpipe([0, 1], 2), {"micro_batches": 4}, "micro_batches=4"),
+                                    (schedules.wavefront([0, 1], 2, 3), {"chunks": 1}, "chunks=1")):
+        with pytest.raises(ValueError, match=f"{what}, but the schedule '\\w+' was built for"):
+            Pipeline(model, TWO, schedule, **options)
+    with Pipeline(model, TWO, schedules.wavefront([0, 1], 2, 3), micro_batches=2, chunks=3) as pipe:
+        assert (pipe.micro_batches, pipe.chunks) == (2, 3)       # the same numbers again are fine
+
+
 def test_a_second_thread_is_refused_while_a_step_runs():
     model, batch = tiny_model(), make_batch()
     slow, original = threading.Event(), Stage.forward

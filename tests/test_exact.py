@@ -1,4 +1,5 @@
 """Exactly the single-device numbers on every schedule: frozen layers, stream mode, and positional dropout."""
+import copy
 import json
 import math
 
@@ -187,6 +188,26 @@ def test_a_layer_frozen_after_the_pipeline_was_built_gets_no_gradient():
         pipe.train_step(make_batch())
         assert model.layers["embed"].embedding.weight.grad is None
         assert model.layers["lstm0"].lstm.weight_ih_l0.grad is not None
+
+
+def test_a_weight_replaced_after_the_pipeline_was_built_trains_and_a_replaced_layer_is_refused():
+    """A weight assigned after the Pipeline was built (a pretrained embedding) is the one forward uses; backward
+    asked for the old one's gradient, so the new one got none (the single device's gradient norm: 0.04)."""
+    batch = make_batch(T=9, B=8)
+    reference = tiny_model()
+    torch.manual_seed(5)
+    new_weight = torch.randn_like(reference.layers["decode"].linear.weight) * 0.1
+    reference.layers["decode"].linear.weight = torch.nn.Parameter(new_weight.clone())
+    expected = one_device(reference, [batch])
+    model = tiny_model()
+    with Pipeline(model, THREE, "zb1", micro_batches=2) as pipe:
+        model.layers["decode"].linear.weight = torch.nn.Parameter(new_weight.clone())
+        model.zero_grad(set_to_none=True)
+        got = [(pipe.train_step(batch).loss, grads(model))]
+        assert_same(got, expected)
+        model.layers["lstm0"] = copy.deepcopy(model.layers["lstm0"])     # a whole layer swapped: refused, named
+        with pytest.raises(RuntimeError, match="layer 'lstm0' was replaced after this Pipeline was built"):
+            pipe.train_step(batch)
 
 
 # ---------------------------------------------------------------- stream mode
