@@ -10,5 +10,8 @@ if [ -n "${PYTHON:-}" ]; then py=$PYTHON
 elif [ -x .venv/bin/python ]; then py=.venv/bin/python
 else py=python3
 fi
+# plain fp32 in every process it starts (the pytest run and the train runs too): the comparisons with
+# the CPU claim fp32 rounding, and cuDNN/cuBLAS would otherwise multiply in TF32
+export NVIDIA_TF32_OVERRIDE=0
 # the script keeps to its own 290 s budget; this outer limit only catches a hang it cannot report
 exec timeout -k 10 320 "$py" bench/gpu_check.py "$@"

@@ -238,12 +238,21 @@ class Pipeline:
                  for name, ts in state.items()}
         width += extra
         b = width // self.micro_batches
+        # On a GPU the copies run on this thread's stream, which the workers' streams wait for at the step's
+        # start (streams.after); but a worker frees the state once its kernels are queued, and the memory, this
+        # stream's, could be handed out again before they ran: record that the worker's stream uses it.
+        worker_streams = {w.device.name: w.stream for w in self._workers}
         for stage in self.stages:
+            stream = worker_streams.get(stage.device.name)
             for name in stage.names:
                 if name in state:
                     for mb in range(self.micro_batches):
-                        stage.state.setdefault(mb, {})[name] = tuple(
-                            t[:, mb * b:(mb + 1) * b].to(stage.device.torch_device).contiguous() for t in state[name])
+                        parts = tuple(t[:, mb * b:(mb + 1) * b].to(stage.device.torch_device).contiguous()
+                                      for t in state[name])
+                        if stream is not None:
+                            for part in parts:
+                                part.record_stream(stream)
+                        stage.state.setdefault(mb, {})[name] = parts
         self._carry_shape = (0, width)
 
     def close(self) -> None:

@@ -205,6 +205,8 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     dev = get_device(device)
     micro = batch.split(micro_batches)[0]
     twin = _copy_without_grads(model).to(dev.torch_device).train()
+    if dev.is_cuda:     # the copy (and the LSTM's weight flattening) ran on this thread's stream: let it finish
+        torch.cuda.current_stream(dev.torch_device).synchronize()    # before the worker's stream reads it
     layers = [twin.layers[name] for name in model.layer_names]
     worker = Worker(dev)
     try:

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from conftest import make_batch, reference, tiny_model
+from mpedu.dropout import Position, keep_mask
 from mpedu.model import nll_sum
 from mpedu.pipeline import Pipeline
+from mpedu.single import SingleDevice
 
 pytestmark = pytest.mark.cuda      # GPU placements run here where CUDA exists (see conftest)
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -64,6 +66,32 @@ def test_the_pipeline_gives_the_cpu_models_loss_and_gradients(placement, schedul
         if e.kind == "F" and e.stage > 0:
             assert e.start >= sent[e.stage - 1, e.mb] - slack, e.label
     assert timeline.bytes_moved > 0
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_dropout_on_a_gpu_draws_the_cpu_masks(placement):
+    """Positional dropout masks are int64 arithmetic, the same on any device: a pipeline with GPU stages
+    gives the CPU model's loss and gradients with dropout on."""
+    batch = make_batch()
+    ref_model = tiny_model(dropout=0.5)
+    ref = SingleDevice(ref_model)
+    ref.dropout_seed = 3
+    ref_loss = ref.train_step(batch).loss
+    model = tiny_model(dropout=0.5)
+    with Pipeline(model, placement, "1f1b", micro_batches=4) as pipe:
+        pipe.dropout_seed = 3
+        assert pipe.train_step(batch).loss == pytest.approx(ref_loss, rel=1e-5)
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _, plain = reference(tiny_model(dropout=0.0), batch)                            # the masks matter
+    assert max((plain[name] - p.grad).abs().max().item() for name, p in ref_model.named_parameters()) > 1e-3
+
+
+@NO_GPU
+def test_a_dropout_mask_on_the_gpu_is_the_cpus():
+    where = Position(seed=7, step=11, sequence=5, time=3)
+    on_gpu = keep_mask(0.3, 2, (9, 4, 33), where, device="cuda:0")
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), keep_mask(0.3, 2, (9, 4, 33), where))
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS[:3])
@@ -124,10 +152,11 @@ def test_optimizer_steps_between_pipeline_steps_are_ordered_with_the_workers(pla
             result = pipe.train_step(batch)
             wall = time.perf_counter() - started
             losses.append(result.loss)
-            for gpu in gpus:      # queued before the clip and the step, on the default stream
+            # the sleep after the clip (which, with a CPU stage, waits for the GPU's stream), before the step
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            for gpu in gpus:
                 with torch.cuda.device(gpu):
                     torch.cuda._sleep(SLEEP_CYCLES)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
 
             events = result.timeline.events
