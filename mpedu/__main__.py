@@ -280,7 +280,8 @@ def _report(args, corpus, recipe, runner, history, pipelined) -> int:
         print(f"last step's timeline: {', '.join(str(f) for f in files)} (open the .json in Perfetto or chrome://tracing)")
     if args.json:
         summary = {"config": args.config, "data": corpus.name, **history.summary(), "batch_size": args.batch_size,
-                   "seed": args.seed, "out": str(Path(args.out)), "runner": "pipeline" if pipelined else "single"}
+                   "seed": args.seed, "out": str(Path(args.out)), "runner": "pipeline" if pipelined else "single",
+                   "limit_batches": args.limit_batches}
         if pipelined:
             summary.update(devices=[str(d) for d in runner.devices], placement=str(runner.placement),
                            schedule=runner.schedule.name, micro_batches=runner.micro_batches,

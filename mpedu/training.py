@@ -182,12 +182,20 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     # (a bad bucket list, time chunks longer than a bucket) fails now, not after an hour.
     train_batches = make_batches(corpus.train, batch_size, bptt=bptt, buckets=buckets, shuffle=True, seed=seed)
     chunks = getattr(runner, "chunks", 1)
+    cut = {}                                # split -> its batches, where limit_batches evaluates only part
     for split in ("train", "valid", "test"):
         batches = train_batches if split == "train" else make_batches(corpus.sentences(split), batch_size,
                                                                       bptt=bptt, buckets=buckets)
+        if split != "train" and limit_batches is not None and limit_batches < len(batches):
+            cut[split] = len(batches)
         if chunks > 1 and chunks > (shortest := _shortest_time_steps(batches)):
             raise ValueError(f"chunks={chunks}, but some {split} batches have only {shortest} time steps; "
                              f"use at most {shortest} chunks, or buckets (or bptt) of at least {chunks} steps")
+    if cut:         # said once, up front: the numbers below are not the splits' perplexities
+        order = "the first windows of the stream" if bptt else "in length order, shortest sentences first"
+        log(f"note: limit_batches={limit_batches} (--limit-batches): the valid and test perplexities cover only "
+            f"their first batches ({', '.join(f'{k} {limit_batches} of {n}' for k, n in cut.items())}; {order}), "
+            "not the whole splits")
     history, first_epoch, first_batch, totals, carried = History(), 0, 0, fresh_totals(), None
     torch.manual_seed(seed)
     random.seed(seed)
@@ -332,7 +340,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     if out is not None:
         checkpoint(epochs, 0, fresh_totals())
         _save_model(out / "model.pt", model, corpus.vocab, placement)
-    log(f"test ppl {history.test_ppl:.2f}" + (f"  (saved {out / 'model.pt'})" if out else ""))
+    log(f"test ppl {history.test_ppl:.2f}" + (f" (its first {limit_batches} of {cut['test']} batches)" if "test" in cut else "")
+        + (f"  (saved {out / 'model.pt'})" if out else ""))
     return history
 
 

@@ -88,6 +88,7 @@ def _train(args, rank, world, device, say, recipe, p, out) -> int:
         if args.json:
             summary = {"config": args.config, "data": corpus.name, **history.summary(),
                        "batch_size": args.batch_size, "seed": args.seed, "out": str(out), "runner": "distributed",
+                       "limit_batches": args.limit_batches,
                        "world_size": world, "backend": dist.get_backend(), "devices": pipe.devices,
                        "pipeline_devices": p, "replicas": pipe.replicas, "runtime": pipe.runtime,
                        "placement": str(pipe.placement), "schedule": pipe.schedule,
