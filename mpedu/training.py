@@ -40,17 +40,24 @@ def scheduled_lr(lr: float, epoch: int, first: int, factor: float) -> float:
 
 
 def make_batches(sentences, batch_size: int, *, bptt: int | None = None, buckets=None,
-                 shuffle: bool = False, seed: int = 0):
-    """A BucketIterator over sentences, or a StreamIterator (carried state) when `bptt` is given."""
+                 shuffle: bool = False, seed: int = 0, whole: bool = False):
+    """A BucketIterator over sentences, or a StreamIterator (carried state) when `bptt` is given.
+    whole=True (evaluation): one more bucket, as long as the longest sentence, where the buckets would cut
+    it into pieces that each start from a fresh state: a perplexity is the whole sentences'."""
     from .bucketing import BucketIterator, StreamIterator
     if bptt:
         return StreamIterator(sentences, batch_size, bptt)
-    return BucketIterator(sentences, batch_size, buckets, shuffle=shuffle, seed=seed)
+    batches = BucketIterator(sentences, batch_size, buckets, shuffle=shuffle, seed=seed)
+    if whole and batches.split_sentences:
+        batches = BucketIterator(sentences, batch_size, batches.buckets + [max(batches.lengths)], shuffle=shuffle,
+                                 seed=seed)
+    return batches
 
 
 def evaluate(runner, sentences, batch_size: int, *, bptt: int | None = None, buckets=None,
              limit: int | None = None) -> float:
-    """Perplexity over all real tokens of `sentences`: exp(total NLL / total tokens).
+    """Perplexity over all real tokens of `sentences`: exp(total NLL / total tokens), each sentence whole
+    (from a fresh state; make_batches(whole=True)), or in stream mode the stream with its state carried.
 
     `runner` is a SingleDevice or Pipeline (a bare LSTMLM is wrapped in SingleDevice).
     `limit` evaluates only the first batches (for smoke tests).
@@ -59,7 +66,7 @@ def evaluate(runner, sentences, batch_size: int, *, bptt: int | None = None, buc
         runner = SingleDevice(runner, next(runner.parameters()).device)
     nll, tokens = 0.0, 0
     runner.reset_state()
-    for batch in islice(make_batches(sentences, batch_size, bptt=bptt, buckets=buckets), limit):
+    for batch in islice(make_batches(sentences, batch_size, bptt=bptt, buckets=buckets, whole=True), limit):
         result = runner.eval_step(fitted(runner, batch))
         nll, tokens = nll + result.nll_sum, tokens + result.tokens
     runner.reset_state()
@@ -185,7 +192,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     cut = {}                                # split -> its batches, where limit_batches evaluates only part
     for split in ("train", "valid", "test"):
         batches = train_batches if split == "train" else make_batches(corpus.sentences(split), batch_size,
-                                                                      bptt=bptt, buckets=buckets)
+                                                                      bptt=bptt, buckets=buckets, whole=True)
         if split != "train" and limit_batches is not None and limit_batches < len(batches):
             cut[split] = len(batches)
         if chunks > 1 and chunks > (shortest := _shortest_time_steps(batches)):
