@@ -250,7 +250,8 @@ class StreamIterator:
         targets = torch.cat(list(sentences))  # (N,)
         N = len(targets)
         if N < batch_size:
-            raise ValueError(f"batch_size={batch_size} is more than the corpus's {N} tokens; use a smaller batch")
+            raise ValueError(f"batch_size={batch_size} is more than the {N} tokens there are to cut into "
+                             f"{batch_size} streams; use a smaller batch")
         inputs = torch.cat([targets.new_tensor([EOS_ID]), targets[:-1]])
         n = math.ceil(N / batch_size)  # stream length
         pad = targets.new_full((n * batch_size - N,), PAD_ID)

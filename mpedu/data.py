@@ -118,6 +118,9 @@ class Corpus:
         return f"Corpus({self.name}: vocab {len(self.vocab):,}; {sizes})"
 
 
+MAX_LINE_TOKENS = 10_000     # a longer line is more likely a file without line ends than a sentence
+
+
 def _read(path: Path, max_line_tokens: int) -> tuple[list[list[str]], int]:
     """Read one PTB-format file: (sentences, number of blank lines skipped)."""
     sentences, blank = [], 0
@@ -128,25 +131,29 @@ def _read(path: Path, max_line_tokens: int) -> tuple[list[list[str]], int]:
             except UnicodeDecodeError as e:
                 raise CorpusError(f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} "
                                   f"at column {e.start + 1}); the reader expects UTF-8 text") from None
-            words = line.lstrip("\ufeff").split()  # a UTF-8 byte-order mark is not a word
-            if not words:
-                blank += 1
-                continue
-            if len(words) > max_line_tokens:
-                raise CorpusError(f"{path}:{lineno}: a line of {len(words):,} tokens is longer than "
-                                  f"max_line_tokens={max_line_tokens:,}; the format is one sentence per line. "
-                                  f"If this is intended, pass a larger max_line_tokens to load_corpus")
-            if PAD in words:
-                raise CorpusError(f"{path}:{lineno}: the token {PAD} is reserved for padding and may not "
-                                  f"appear in the text")
-            sentences.append(words)
+            # a bare CR (old Mac line ends) ends a sentence too; a CRLF's CR goes with the newline
+            for part in line.rstrip("\r\n").split("\r"):
+                words = part.lstrip("\ufeff").split()  # a UTF-8 byte-order mark is not a word
+                if not words:
+                    blank += 1
+                    continue
+                if len(words) > max_line_tokens:
+                    raise CorpusError(f"{path}:{lineno}: a line of {len(words):,} tokens is longer than "
+                                      f"max_line_tokens={max_line_tokens:,}; the format is one sentence per line, "
+                                      "so the file's line ends may be missing. If this is intended, pass a larger "
+                                      "max_line_tokens to mpedu.load_corpus (the command line reads at most "
+                                      f"{MAX_LINE_TOKENS:,} tokens per line)")
+                if PAD in words:
+                    raise CorpusError(f"{path}:{lineno}: the token {PAD} is reserved for padding and may not "
+                                      f"appear in the text")
+                sentences.append(words)
     if not sentences:
         raise CorpusError(f"{path} contains no sentences ({blank} blank lines); "
                           f"expected one whitespace-tokenised sentence per line")
     return sentences, blank
 
 
-def read_sentences(path, max_line_tokens: int = 10_000) -> list[list[str]]:
+def read_sentences(path, max_line_tokens: int = MAX_LINE_TOKENS) -> list[list[str]]:
     """Read a PTB-format file: one sentence per line, tokens separated by whitespace.
 
     Blank lines are skipped (see Corpus.blank_lines for the count); <eos> is not in the file."""
@@ -159,7 +166,7 @@ def read_sentences(path, max_line_tokens: int = 10_000) -> list[list[str]]:
 _EMBEDDED: dict[int, dict] = {}  # seed -> generated sentences, so repeated load_corpus() calls are instant
 
 
-def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = 10_000) -> Corpus:
+def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = MAX_LINE_TOKENS) -> Corpus:
     """The embedded corpus (path=None, generated from `seed`) or a folder with ptb.{train,valid,test}.txt.
 
     The vocabulary comes from the training split only; unseen valid/test words become <unk>."""

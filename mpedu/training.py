@@ -187,13 +187,17 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     placement = str(runner.placement) if hasattr(runner, "placement") else None
     # Every split is batched before anything is trained, so a setting the data cannot meet
     # (a bad bucket list, time chunks longer than a bucket) fails now, not after an hour.
-    train_batches = make_batches(corpus.train, batch_size, bptt=bptt, buckets=buckets, shuffle=True, seed=seed)
     chunks = getattr(runner, "chunks", 1)
     cut = {}                                # split -> its batches, where limit_batches evaluates only part
     for split in ("train", "valid", "test"):
-        batches = train_batches if split == "train" else make_batches(corpus.sentences(split), batch_size,
-                                                                      bptt=bptt, buckets=buckets, whole=True)
-        if split != "train" and limit_batches is not None and limit_batches < len(batches):
+        try:
+            batches = make_batches(corpus.sentences(split), batch_size, bptt=bptt, buckets=buckets,
+                                   shuffle=split == "train", seed=seed, whole=split != "train")
+        except ValueError as e:             # the data cannot meet a setting: say which split
+            raise ValueError(f"{corpus.name}'s {split} split: {e}") from None
+        if split == "train":
+            train_batches = batches
+        elif limit_batches is not None and limit_batches < len(batches):
             cut[split] = len(batches)
         if chunks > 1 and chunks > (shortest := _shortest_time_steps(batches)):
             raise ValueError(f"chunks={chunks}, but some {split} batches have only {shortest} time steps; "

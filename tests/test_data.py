@@ -155,6 +155,21 @@ def test_reader_handles_ptb_spacing_crlf_and_a_byte_order_mark(tmp_path):
     path = tmp_path / "x.txt"
     path.write_bytes("\ufeff the cat \r\n a dog \n".encode("utf-8"))
     assert read_sentences(path) == [["the", "cat"], ["a", "dog"]]
+    # old Mac line ends (a bare CR) end sentences too: the file was one sentence, or one over-long line
+    path.write_bytes(b"the cat\ra dog\r\rsat\r")
+    assert read_sentences(path) == [["the", "cat"], ["a", "dog"], ["sat"]]
+    path.write_bytes(b"w " * 60)                                       # no line ends at all
+    with pytest.raises(CorpusError, match="line ends may be missing.*command line reads at most 10,000"):
+        read_sentences(path, max_line_tokens=50)
+
+
+def test_a_split_too_short_for_the_stream_batch_is_named(tmp_path):
+    from mpedu.model import LSTMLM
+    from mpedu.training import train
+    corpus = load_corpus(write_corpus(tmp_path / "c", train="a b c d e f g\n" * 20, valid="a b\n"))
+    model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
+    with pytest.raises(ValueError, match="'s valid split: batch_size=8 is more than the 3 tokens"):
+        train(model, corpus, epochs=1, batch_size=8, bptt=4, progress=False, log=lambda *a: None)
 
 
 # ---- Real Penn Treebank files -----------------------------------------------------------------
