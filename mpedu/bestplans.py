@@ -10,7 +10,7 @@ import ipywidgets as w
 
 from .costcurve import CostCurve
 from .devices import format_size, parse_size
-from .planner import PlanStopped, plan, search_shapes
+from .planner import NoPlanFits, PlanStopped, plan, search_shapes
 from .wording import RECOMPUTE, SCHEDULES
 
 ROWS = 4            # plans that fit, fastest first
@@ -50,6 +50,7 @@ class BestPlans(w.VBox):
         self.plans, self.rows, self.searches, self.thread = None, [], 0, None    # searches: planner calls
         self._key = self._args = self._waiting = None
         self._choice = None                          # (choice key, step seconds, peak bytes) or None: refused
+        self._over_all = None                        # the cap no plan fits, when none does
         self._lock, self._drawing, self._locked = threading.Lock(), threading.RLock(), False
         self.cap = w.Text(value="" if memory_cap is None else _size_text(parse_size(memory_cap)),
                           placeholder="none (e.g. 40MB)", description="memory cap per device",
@@ -87,7 +88,7 @@ class BestPlans(w.VBox):
         # micro-batches look as cheap per sequence as big ones, and the list would praise the slowest
         job = (list(devices), link, cap, CostCurve(list(costs), [], self.weighed), sorted(B // b for b in widths))
         with self._drawing:                              # the rows of other devices or costs go at once
-            self.plans, self.rows, self.header.value = None, [], "searching…"
+            self.plans, self.rows, self.header.value, self._over_all = None, [], "searching…", None
             self._draw()
             with self._lock:
                 self._waiting = job
@@ -114,9 +115,17 @@ class BestPlans(w.VBox):
                 over = [c for c in plans.front if not c.fits and c.step_s < plans.best.step_s][:OVER]
             except PlanStopped:                          # superseded: the loop takes the waiting request
                 continue
-            except Exception as error:                   # no plan fits the cap, tied weights: said in the panel
-                plans, rows, message = None, [], _warn(error)
+            except NoPlanFits as error:                  # in the explorer's words (the planner's name arguments)
+                small = error.smallest
+                plans, rows, message = None, [], _warn(
+                    f"No plan fits the cap of {format_size(error.cap)} per device on {len(devices)} devices: the "
+                    f"smallest needs {format_size(small.peak_bytes, up=True)} on its largest device "
+                    f"({describe(small)}). Raise the cap to at least that, or use more devices.")
+                over_all = error.cap
+            except Exception as error:                   # tied weights, ...: said in the panel
+                plans, rows, message, over_all = None, [], _warn(error), None
             else:
+                over_all = None
                 rows = sorted(over + rows, key=lambda c: c.step_s)
                 message = (f"{plans.searched} plans searched in {plans.seconds * 1e3:.0f} ms, on the layer costs "
                            f"profiled for {' or '.join(map(str, ms))} micro-batches (pick another count to profile it "
@@ -126,7 +135,7 @@ class BestPlans(w.VBox):
                 self.searches += 1
             with self._drawing:
                 if self._waiting is None:                # a newer search is waiting: draw that one instead
-                    self.plans, self.rows, self.header.value = plans, rows, message
+                    self.plans, self.rows, self.header.value, self._over_all = plans, rows, message, over_all
                     self._draw()
 
     def compare(self, choice=None, step_s: float | None = None, peak_bytes: int | None = None) -> None:
@@ -153,6 +162,11 @@ class BestPlans(w.VBox):
             style = ("background:#fff3cd; font-weight:bold" if c is best else "" if c.fits else "color:#777")
             text.value = (f'<div style="{style}">{mark}<b>{c.step_s * 1e3:.1f} ms</b> · memory {memory} · '
                           f"{html.escape(describe(c))}{mine}</div>")
+        if choice is not None and best is None and self._over_all is not None:     # nothing fits: nor the board
+            _, step_s, peak = choice
+            self.versus.value = (f"Your choice: <b>{step_s * 1e3:.1f} ms</b>, largest device {format_size(peak)}; "
+                                 f"{'over' if peak > self._over_all else 'within'} the cap.")
+            return
         if choice is None or best is None:
             self.versus.value = "" if best is None else "The board is refused now: apply a plan above to go on."
             return

@@ -154,12 +154,19 @@ def parse_size(value) -> int:
     return int(number)
 
 
-def format_size(nbytes: float) -> str:
-    """A size for people: 1.59 MB, 950 kB, 12 bytes (powers of 1000, like parse_size's MB)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} bytes"
+def format_size(nbytes: float, up: bool = False) -> str:
+    """A size for people: 1.59 MB, 950 kB, 12 bytes (powers of 1000, like parse_size's MB). up=True rounds up
+    (a minimum to type back: "at least 556 kB" for 555,072 bytes, which "555 kB" would miss)."""
+    units = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("bytes", 1.0))
+    for k, (unit, scale) in enumerate(units):
+        if nbytes >= scale or unit == "bytes":
+            value = nbytes / scale
+            if up and value > 0:                     # to 3 significant digits (bytes: whole ones), upwards
+                step = 1.0 if unit == "bytes" else 10.0 ** (math.floor(math.log10(value)) - 2)
+                value = math.ceil(round(value / step, 9)) * step
+            if float(f"{value:.3g}") >= 1000 and k > 0:    # 999,999 bytes: "1 MB", not "1e+03 kB"
+                unit, value = units[k - 1][0], value / 1000
+            return f"{value:.0f} bytes" if unit == "bytes" else f"{value:.3g} {unit}"
 
 
 def own_cores(devices: list[Device]) -> list[int] | None:

@@ -47,6 +47,14 @@ class PlanStopped(Exception):
     """plan(..., should_stop=...) said stop: the search ended before it was done (no result)."""
 
 
+class NoPlanFits(ValueError):
+    """No plan fits the memory cap: `smallest` is the plan with the smallest footprint found, `cap` the cap."""
+
+    def __init__(self, message: str, smallest, cap: int):
+        super().__init__(message)
+        self.smallest, self.cap = smallest, cap
+
+
 def _choices(value) -> tuple:
     """A tuple of choices from a tuple or list, or from one value (a name, a count, None)."""
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
@@ -284,11 +292,12 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
                   time.perf_counter() - start, pending, (link, cores))
     if plans.best is None:
         small = front[-1]
-        raise ValueError(f"no plan fits memory_cap={format_size(cap)} on {p} devices: the smallest footprint "
+        raise NoPlanFits(f"no plan fits memory_cap={format_size(cap)} on {p} devices: the smallest footprint "
                          f"found is {format_size(small.peak_bytes)} ({small.label}, '{small.placement}'). "
-                         f"Raise the cap to at least {format_size(small.peak_bytes)}, use more devices, or a "
-                         "smaller batch or shorter buckets"
-                         + ("" if "all" in recompute else "; or allow recomputation: recompute=(None, 'all')"))
+                         f"Raise the cap to at least {format_size(small.peak_bytes, up=True)}, use more devices, "
+                         "or a smaller batch or shorter buckets"
+                         + ("" if "all" in recompute else "; or allow recomputation: recompute=(None, 'all')"),
+                         small, cap)
     return plans
 
 

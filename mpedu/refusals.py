@@ -22,6 +22,14 @@ def check(layers: list[str], devices: list[str], assignment: dict, schedule: str
     if len(devices) > len(layers):
         raise Refusal(f"{len(devices)} devices but only {len(layers)} layers: every device needs a layer. "
                       f"Use at most {len(layers)} devices.")
+    # (a drop on a column drawn before the devices changed can name a device the board no longer has)
+    stray = next(((layer, d) for layer, d in assignment.items() if d not in devices), None)
+    if stray:
+        raise Refusal(f"{stray[0]} sits on {stray[1]}, which is not on the board: drag it onto "
+                      f"{' or '.join(devices)}.")
+    missing = [layer for layer in layers if layer not in assignment]
+    if missing:
+        raise Refusal(f"{missing[0]} is on no device: drag it onto one.")
     placement = Placement(layers, assignment)
     empty = [d for d in devices if d not in assignment.values()]
     if empty:
@@ -39,11 +47,12 @@ def check(layers: list[str], devices: list[str], assignment: dict, schedule: str
                       f"together onto one device, or pick GPipe in the schedule menu.",
                       fix=("use GPipe", "schedule", "gpipe"))
     if schedule == "interleaved" or (schedule == "1f1b" and several):   # 1F1B on stages dealt in turn interleaves
-        _check_interleaved(placement, layers, devices, in_turn, m, batch_width, label)
+        _check_interleaved(placement, layers, devices, in_turn, m, batch_width, label, schedule)
     return placement, schedules.make(schedule, stage_devices, m, chunks if schedule == "wavefront" else 1)
 
 
-def _check_interleaved(placement, layers, devices, in_turn: bool, m: int, batch_width: int, label: str) -> None:
+def _check_interleaved(placement, layers, devices, in_turn: bool, m: int, batch_width: int, label: str,
+                       schedule: str) -> None:
     p = len(devices)
     if p < 2 or 2 * p > len(layers):
         most = len(layers) // 2
@@ -51,6 +60,19 @@ def _check_interleaved(placement, layers, devices, in_turn: bool, m: int, batch_
         raise Refusal(f"{label} needs 2 or more devices, each holding 2 or more stages, so at least "
                       f"{max(2 * p, 4)} layers for {max(p, 2)} devices; this model has {len(layers)}. "
                       f"{use[0].upper()}{use[1:]}.")
+    options = [k for k in range(1, batch_width + 1) if batch_width % k == 0]   # what the slider offers
+    fits = [k for k in options if k % p == 0]
+    if not fits:                     # before the dealing fix, which would lead to a layout that cannot run either
+        others = [q for q in range(2, len(layers) // 2 + 1) if any(k % q == 0 for k in options)]
+        if schedule == "1f1b":       # the layers were dealt in turn, which makes 1F1B interleave
+            instead, fix = ("Drag each device's layers together (1F1B then runs one stage per device), or pick "
+                            "GPipe.", ("use GPipe", "schedule", "gpipe"))
+        else:
+            instead = f"Use {' or '.join(map(str, others))} devices, or pick 1F1B." if others else "Pick 1F1B."
+            fix = None
+        raise Refusal(f"{label} sends micro-batches round the {p} devices in groups of {p}, but a batch of "
+                      f"{batch_width} sequences splits into {', '.join(map(str, options))} micro-batches, none a "
+                      f"multiple of {p}. {instead}", fix=fix)
     if not in_turn or len(placement.stages) < 2 * p:
         dealing = dealt(layers, devices)
         raise Refusal(f"{label} needs the layers dealt to the devices in turn, at least twice round: a run "
@@ -59,18 +81,10 @@ def _check_interleaved(placement, layers, devices, in_turn: bool, m: int, batch_
                       f"press the button below, or pick 1F1B.",
                       fix=("deal the layers in turn", "placement", dealing))
     if m % p:
-        options = [k for k in range(1, batch_width + 1) if batch_width % k == 0]   # what the slider offers
-        fits = [k for k in options if k % p == 0]
-        if fits:
-            best = min(fits, key=lambda k: abs(k - m))
-            raise Refusal(f"{label} sends micro-batches round the {p} devices in groups of {p}, so their number "
-                          f"must be a multiple of {p}; you chose {m}. Pick {best} micro-batches.",
-                          fix=(f"use {best} micro-batches", "micro_batches", best))
-        others = [q for q in range(2, len(layers) // 2 + 1) if any(k % q == 0 for k in options)]
-        instead = f"Use {' or '.join(map(str, others))} devices, or pick 1F1B." if others else "Pick 1F1B."
-        raise Refusal(f"{label} sends micro-batches round the {p} devices in groups of {p}, but a batch of "
-                      f"{batch_width} sequences splits into {', '.join(map(str, options))} micro-batches, none a "
-                      f"multiple of {p}. {instead}")
+        best = min(fits, key=lambda k: abs(k - m))
+        raise Refusal(f"{label} sends micro-batches round the {p} devices in groups of {p}, so their number "
+                      f"must be a multiple of {p}; you chose {m}. Pick {best} micro-batches.",
+                      fix=(f"use {best} micro-batches", "micro_batches", best))
 
 
 def dealt(layers: list[str], devices: list[str]) -> str:

@@ -67,6 +67,8 @@ class PipelineExplorer(w.VBox):
         self._model_lock = threading.Lock()                # measuring and training both use the model
         self._weighed: dict = {}                           # (T, b) -> a Costs of bytes (CostCurve.weigh)
         self._fix = None
+        self._changed_in_run = False                       # a choice changed from Python while a run trained
+        self._measured_title = ""
         L = len(model.layer_names)
         names = [d.name for d in (get_devices(devices) if isinstance(devices, int) else map(get_device, devices))]
         start = Placement.even(model, names)
@@ -248,16 +250,25 @@ class PipelineExplorer(w.VBox):
         if self.micro_batches.value == m and not self.running:
             self._update()
 
-    def _update(self, *_) -> None:
-        """Check, simulate, redraw. Runs on every change, so it must stay fast (a few ms of Python)."""
+    def _update(self, *_, keep_run: bool = False) -> None:
+        """Check, simulate, redraw. Runs on every change, so it must stay fast (a few ms of Python).
+        keep_run: the last run's measured step stays beside the new prediction (its costs were measured since)."""
         if self._quiet:
             return
         with self._update_lock:
-            self.chunks.disabled = self.running or self.schedule_menu.value != "wavefront"
-            self.slowdown.disabled = self.running or not LINKS[self.link_menu.value].emulated
-            # a change makes the last run's numbers stale: they go, whether or not the new choice is accepted
-            self.measured, self.run_status.value = None, ""
-            self.progress.layout.display = "none"
+            if self.running:
+                # The browser's controls are locked, but Python can still change a choice (explorer.placement =
+                # ...): the run goes on with the choices it started with, and the board is drawn when it ends.
+                self._changed_in_run = True
+                self.note.value = ("A run is training the choices it started with: the change is drawn when it "
+                                   "ends (or press Stop).")
+                return
+            self.chunks.disabled = self.schedule_menu.value != "wavefront"
+            self.slowdown.disabled = not LINKS[self.link_menu.value].emulated
+            if not keep_run:
+                # a change makes the last run's numbers stale: they go, whether or not the new choice is accepted
+                self.measured, self.run_status.value = None, ""
+                self.progress.layout.display = "none"
             try:
                 placement, schedule = self._check()
                 costs, measured = self._costs_for(schedule.micro_batches, placement.devices[0])
@@ -273,8 +284,11 @@ class PipelineExplorer(w.VBox):
                 self._fix = None
                 self._describe(placement, schedule, costs, measured)
                 self.message.value = f"placement: <code>{html.escape(str(placement))}</code>"
-                self.timeline.show([self.predicted],
-                                   [self._title(self.predicted, "predicted step" if measured else "estimated step")])
+                shown = ([self.predicted], [self._title(self.predicted, self._kind_of_prediction())])
+                if self.measured is not None:               # keep_run: the run's last step beside it
+                    shown[0].append(self.measured)
+                    shown[1].append(self._measured_title)
+                self.timeline.show(*shown)
                 self.timeline.layout.display, self.run_button.disabled = None, self.running
                 choice = (str(placement), schedule.name, schedule.micro_batches, schedule.chunks, self.recompute)
                 self.best_plans.compare(choice, self.predicted.makespan, max(self.figures["memory_bytes"].values()))
@@ -284,6 +298,10 @@ class PipelineExplorer(w.VBox):
             self.fix_button.layout.display = None if self._fix else "none"
             self._redraws += 1
             self._save_state()
+
+    def _kind_of_prediction(self) -> str:
+        """"predicted step" from measured costs, "estimated step" from another micro-batch size's, scaled."""
+        return "estimated step" if self.figures.get("estimated") else "predicted step"
 
     @staticmethod
     def _title(t, name: str) -> str:
@@ -317,24 +335,25 @@ class PipelineExplorer(w.VBox):
     # -- real steps ---------------------------------------------------------------------
     def run(self, steps: int | None = None) -> None:
         """Train `steps` real steps with the current choices on a background thread (the kernel stays free)."""
-        if self.running or self.predicted is None:
-            return
-        placement, schedule = self._check()
-        steps, cores = steps or self.steps, len(usable_cores())
-        # more virtual devices than cores take turns on them: say what to expect here, next to the prediction
-        shared = all(d.virtual for d in placement.devices) and len(placement.devices) > cores
-        costs, _ = self._costs_for(schedule.micro_batches, placement.devices[0])
-        here = (simulate(schedule, costs, placement, cores=cores, link=self.link, recompute=self.recompute)
-                if shared else None)
-        self.running, self.losses, self._runs = True, [], self._runs + 1
-        self._stop.clear()
-        self._lock(True)
-        self.progress.max, self.progress.value, self.run_status.value = steps, 0, "starting the devices…"
-        self.progress.layout.display = None
-        self._save_state()
-        self._thread = threading.Thread(target=self._train, args=(placement, schedule, here, steps, cores),
-                                        name="mpedu-explorer-run", daemon=True)
-        self._thread.start()
+        with self._update_lock:      # a measurement that ends meanwhile redraws before this, or after the run
+            if self.running or self.predicted is None:
+                return
+            placement, schedule = self._check()
+            steps, cores = steps or self.steps, len(usable_cores())
+            # more virtual devices than cores take turns on them: say what to expect here, next to the prediction
+            shared = all(d.virtual for d in placement.devices) and len(placement.devices) > cores
+            costs, _ = self._costs_for(schedule.micro_batches, placement.devices[0])
+            here = (simulate(schedule, costs, placement, cores=cores, link=self.link, recompute=self.recompute)
+                    if shared else None)
+            self.running, self.losses, self._runs = True, [], self._runs + 1
+            self._stop.clear()
+            self._lock(True)
+            self.progress.max, self.progress.value, self.run_status.value = steps, 0, "starting the devices…"
+            self.progress.layout.display = None
+            self._save_state()
+            self._thread = threading.Thread(target=self._train, args=(placement, schedule, here, steps, cores),
+                                            name="mpedu-explorer-run", daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         """Ask the run to stop after the step it is on."""
@@ -353,6 +372,7 @@ class PipelineExplorer(w.VBox):
         # the command line's step (mpedu.training.step), with its learning rate and clipping, for a few steps
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer, done, predicted = torch.optim.SGD(params, lr=LR), 0, self.predicted
+        kind, estimated = self._kind_of_prediction(), self.figures.get("estimated")
         expect = (f" ({len(placement.devices)} devices take turns on {cores} cores here: about "
                   f"{here.makespan * 1e3:.0f} ms expected)" if here is not None else "")
         try:
@@ -368,9 +388,9 @@ class PipelineExplorer(w.VBox):
                     self.measured = result.timeline
                     self.losses.append(result.loss)
                     self.progress.value = done
+                    self._measured_title = self._title(result.timeline, f"measured step {done}") + expect
                     self.timeline.show([predicted, result.timeline],
-                                       [self._title(predicted, "predicted step"),
-                                        self._title(result.timeline, f"measured step {done}") + expect])
+                                       [self._title(predicted, kind), self._measured_title])
                     self.run_status.value = f"step {done}/{steps}: loss {result.loss:.3f}"
                     self._save_state()
             if done < steps:
@@ -380,6 +400,12 @@ class PipelineExplorer(w.VBox):
         finally:
             self.running = False
             self._lock(False)
+            if self._changed_in_run:          # Python changed a choice meanwhile: draw the board as it is now
+                self._changed_in_run = False
+                self._update()
+            elif estimated and (self.batch.inputs.shape[0], self.batch.inputs.shape[1] // schedule.micro_batches) \
+                    in self._costs:           # the costs were measured meanwhile: predict from them, run kept
+                self._update(keep_run=True)
             self._save_state()
 
     def _lock(self, on: bool) -> None:

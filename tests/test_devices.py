@@ -215,3 +215,11 @@ def test_sizes_parse_or_say_what_a_size_looks_like(value):
         assert parse_size(value) >= 1
     except ValueError as e:
         assert "is not a size" in str(e) and "'2MB'" in str(e)
+
+
+def test_sizes_for_people_round_up_when_asked_and_never_print_an_exponent():
+    from mpedu.devices import format_size
+    assert (format_size(555_072), format_size(555_072, up=True)) == ("555 kB", "556 kB")   # a minimum to type back
+    assert format_size(555_000, up=True) == "555 kB" and format_size(12.2, up=True) == "13 bytes"
+    assert parse_size(format_size(555_072, up=True)) >= 555_072
+    assert format_size(999_999) == "1 MB" and format_size(2.5e12) == "2.5 TB"   # not "1e+03 kB"

@@ -165,6 +165,11 @@ REFUSALS = [
      "interleaved 1F1B needs the layers dealt to the devices in turn"),
     (lambda ex: (setattr(ex.device_count, "value", 3), setattr(ex.schedule_menu, "value", "interleaved")),
      "at least 6 layers for 3 devices; this model has 5. Use 2 devices, or pick 1F1B"),
+    # a drop on a column drawn before the devices changed; a layer the browser lost
+    (lambda ex: moved(ex, "decode", "vgpu:2"), "decode sits on vgpu:2, which is not on the board: drag it onto "
+                                               "vgpu:0 or vgpu:1"),
+    (lambda ex: setattr(ex.board, "assignment", {k: v for k, v in ex.board.assignment.items() if k != "lstm2"}),
+     "lstm2 is on no device: drag it onto one"),
 ]
 
 
@@ -241,6 +246,51 @@ def test_the_fix_buttons_do_what_the_refusal_says(explorer):
     assert "Pick 2 micro-batches" in text(explorer.message.value)
     explorer.fix_button.click()
     assert explorer.micro_batches.value == 2 and explorer.predicted is not None
+
+
+def test_no_fix_leads_to_a_layout_whose_micro_batches_cannot_run():
+    """3 devices and a batch of 8 (1, 2, 4 or 8 micro-batches, none a multiple of 3): interleaved offered to deal
+    the layers in turn, and then refused the micro-batches; 1F1B on the dealt layers said "pick 1F1B"."""
+    model = tiny_model(num_layers=4)                    # 6 layers: enough for 3 devices twice round
+    ex = PipelineExplorer(model, make_batch(T=T, B=B), devices=3, micro_batches=M, costs=fixed_costs(model))
+    ex.schedule_menu.value = "interleaved"
+    assert "none a multiple of 3. Use 2 devices, or pick 1F1B." in text(ex.message.value)
+    assert ex.fix_button.layout.display == "none"       # no button into a dead end
+    ex.placement = dealt(model.layer_names, ["vgpu:0", "vgpu:1", "vgpu:2"])
+    ex.schedule_menu.value = "1f1b"                     # dealt in turn: 1F1B would interleave
+    message = text(ex.message.value)
+    assert "layers together (1F1B then runs one stage per device)" in message and "pick GPipe" in message and "pick 1F1B" not in message
+    ex.fix_button.click()
+    assert ex.schedule_menu.value == "gpipe" and ex.predicted is not None
+    ex.wait(timeout=60)
+
+
+def test_a_change_from_python_during_a_run_is_drawn_when_it_ends(explorer):
+    """A later notebook cell sets explorer.placement while a run trains (the kernel is free): the board showed the
+    new plan, the timeline the old run's, and nothing said so."""
+    explorer.run(steps=200)
+    deadline = time.monotonic() + 60
+    while explorer.progress.value < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    explorer.placement = "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2,decode:vgpu2"
+    assert "drawn when it ends" in explorer.note.value and explorer.running
+    assert explorer.progress.layout.display != "none"   # the run's progress stays
+    explorer.stop()
+    explorer.wait(timeout=60)
+    assert str(explorer.placement) == "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2,decode:vgpu2"
+    assert explorer.measured is None and [p["title"][:14] for p in explorer.timeline.panels] == ["predicted step"]
+    assert explorer.predicted.devices == ["vgpu:0", "vgpu:1", "vgpu:2"] and "drawn when" not in explorer.note.value
+
+
+def test_a_run_on_an_estimate_says_so_then_predicts_from_the_costs_measured_meanwhile(explorer):
+    explorer.micro_batches.value = 8                    # no costs for 1-sequence micro-batches yet: an estimate
+    explorer.run(steps=2)
+    explorer.wait(timeout=60)
+    assert explorer._costs[T, 1] is not None and explorer.measured is not None
+    predicted, measured = explorer.timeline.panels     # the run's step stays, beside a prediction from them
+    assert predicted["title"].startswith("predicted step") and measured["title"].startswith("measured step 2")
+    assert "predicted step" in explorer.figure_line.value and "measuring" not in explorer.note.value
+    assert not explorer.figures["estimated"]
 
 
 def test_the_legend_names_every_mark_and_label(explorer):
