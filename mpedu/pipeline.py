@@ -5,7 +5,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -85,7 +85,9 @@ class Pipeline:
             if list(schedule.stage_devices) != stage_devices:
                 raise ValueError(f"schedule {schedule.name!r} was built for stage devices "
                                  f"{list(schedule.stage_devices)}, but this placement gives {stage_devices}")
-            self.schedule = schedule.validate()
+            # its own copy of the rows: an edit of the caller's schedule after this would otherwise reach the
+            # steps unchecked (and a cycle between devices would wait for ever)
+            self.schedule = replace(schedule, actions=[list(row) for row in schedule.actions]).validate()
             for what, given, own in (("micro_batches", micro_batches, schedule.micro_batches),
                                      ("chunks", chunks, schedule.chunks)):
                 if given is not None and given != own:

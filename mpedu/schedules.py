@@ -103,12 +103,18 @@ class Schedule:
     # -- checking -----------------------------------------------------------------
     def validate(self) -> "Schedule":
         """Raise ScheduleError naming the first bad action; return self when the schedule can run."""
+        for what, value in (("micro_batches", self.micro_batches), ("chunks", self.chunks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ScheduleError(f"schedule {self.name!r}: {what}={value!r}; it must be a whole number >= 1")
         n, m, p = self.num_stages, self.micro_batches, self.num_devices
         if sorted(set(self.stage_devices)) != list(range(p)):
             raise ScheduleError(f"stage_devices {list(self.stage_devices)} must use every device 0..{p - 1}")
         seen: set[Action] = set()
         for d, row in enumerate(self.actions):
             for a in row:
+                if not isinstance(a, Action):
+                    raise ScheduleError(f"device {d}'s row holds {a!r}, not an Action: write F(0, 1), B(0, 1) and "
+                                        f"W(0, 1), or Action.parse('0F1') for the text form")
                 problem = None
                 if a.kind not in KINDS:
                     problem = f"unknown kind {a.kind!r}"
@@ -136,6 +142,7 @@ class Schedule:
                             raise ScheduleError(f"{Action(kind, s, i, c)} is missing: every stage needs "
                                                 f"{' and '.join(kinds)} for every micro-batch\n{self.grid()}")
         run_order(self)  # raises on deadlock
+        self._checked = True   # (simulate checks a schedule only once; a Pipeline runs its own copy)
         return self
 
     # -- printing -----------------------------------------------------------------

@@ -12,7 +12,7 @@ from .schedules import Schedule
 from .timeline import Event, Timeline
 
 
-def simulate(schedule, costs, placement=None, *, micro_batches: int | None = None, chunks: int = 1,
+def simulate(schedule, costs, placement=None, *, micro_batches: int | None = None, chunks: int | None = None,
              link: Link | str | None = None,
              speed: Mapping[str, float] | Sequence[float] | None = None, cores: float | None = None,
              devices: Sequence[str] | None = None, recompute=None) -> Timeline:
@@ -22,9 +22,10 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
         simulate(schedule, costs, placement)                            # per-layer Costs + Placement
         simulate("1f1b", [1.0] * 8, micro_batches=32)                   # what would 8 GPUs do?
 
-    schedule: a Schedule, a Pipeline, or a schedule name (then `micro_batches` is
-    needed, `chunks` for wavefront, and stage s sits on device s unless a placement
-    says otherwise).
+    schedule: a Schedule, a Pipeline (its schedule, placement, link and recompute), or a
+    schedule name (then `micro_batches` is needed, `chunks` for wavefront, and stage s
+    sits on device s unless a placement says otherwise). A Schedule brings its own
+    micro-batch and chunk counts: a different micro_batches= or chunks= is refused.
     costs: per-layer `Costs` (grouped into stages by the placement) or one entry per
     stage: a StageCost, or a number x meaning F = x, B + W = 2x. Costs are for one
     micro-batch of the whole sequence: with c time chunks each chunk's action takes
@@ -43,11 +44,14 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     drawn as an "R" event (the forward's share) followed by the B; its first forward (autograd on,
     keeping nothing) costs the forward.
     Events carry the activation bytes they add or free (Event.memory, from the costs' activation
-    bytes, as mpedu.footprint counts them): the predicted timeline's peak_memory is the model's.
+    bytes, as mpedu.footprint counts them): the predicted timeline's peak_memory is the model's. With time
+    chunks a chunk is charged 1/chunks of the costs' bytes; a chunk keeps more than its share (its state
+    comes in), so give costs whose chunks were weighed, CostCurve.at(T, b, chunks), as the planner does.
     """
     if hasattr(schedule, "schedule") and hasattr(schedule, "placement"):   # a Pipeline
         placement = placement if placement is not None else schedule.placement
         recompute = recompute if recompute is not None else getattr(schedule, "recompute", None)
+        link = link if link is not None else getattr(schedule, "link", None)
         schedule = schedule.schedule
     if isinstance(costs, Costs):
         if placement is None:
@@ -68,8 +72,16 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
         if micro_batches is None:
             raise ValueError(f"simulate({schedule!r}, ...) needs micro_batches=m to build the schedule")
         stage_devices = placement.stage_devices if placement is not None else list(range(len(stage_costs)))
-        schedule = (schedules.make(schedule, stage_devices, micro_batches) if chunks == 1
+        schedule = (schedules.make(schedule, stage_devices, micro_batches) if chunks in (None, 1)
                     else schedules.make(schedule, stage_devices, micro_batches, chunks=chunks))
+    else:
+        for what, given, own in (("micro_batches", micro_batches, schedule.micro_batches),
+                                 ("chunks", chunks, schedule.chunks)):
+            if given is not None and given != own:
+                raise ValueError(f"{what}={given}, but the schedule {schedule.name!r} was built for {own}; leave "
+                                 f"{what} out (a Schedule brings its own) or build the schedule for {given}")
+        if not getattr(schedule, "_checked", False):     # hand-built: what a Pipeline would refuse, refused here
+            schedule.validate()
     if placement is not None and list(schedule.stage_devices) != placement.stage_devices:
         raise ValueError(f"schedule {schedule.name!r} was built for stage devices {list(schedule.stage_devices)}, "
                          f"but the placement {placement} gives {placement.stage_devices}; build the schedule "

@@ -226,3 +226,26 @@ def test_schedule_names_and_counts_give_clear_errors(name, m, chunks):
     else:
         assert math.isfinite(result.loss)
         assert 8 % m == 0 and chunks <= 9
+
+
+def test_a_hand_built_schedule_with_no_micro_batches_or_text_rows_is_refused_before_a_step():
+    """validate() let micro_batches=0 through (a ZeroDivisionError at the first step) and rows of text
+    ("0F0") failed with an AttributeError."""
+    with pytest.raises(ScheduleError, match="micro_batches=0; it must be a whole number >= 1"):
+        Schedule("mine", (0, 1), 0, [[], []]).validate()
+    with pytest.raises(ScheduleError, match="chunks=0"):
+        Schedule("mine", (0, 1), 1, [[F(0, 0), B(0, 0)], [F(1, 0), B(1, 0)]], chunks=0).validate()
+    with pytest.raises(ScheduleError, match=r"holds '0F0', not an Action: .*Action.parse\('0F1'\)"):
+        Schedule("mine", (0, 1), 1, [["0F0", "0B0"], ["1F0", "1B0"]]).validate()
+
+
+def test_a_schedule_edited_after_the_pipeline_was_built_does_not_reach_its_steps():
+    """The Pipeline kept the caller's Schedule: rows edited into a cycle between the devices hung the step."""
+    schedule = make("gpipe", [0, 1], 2)
+    with Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", schedule) as pipe:
+        schedule.actions[0][:] = [F(0, 0), B(0, 0), F(0, 1), B(0, 1)]
+        schedule.actions[1][:] = [F(1, 1), B(1, 1), F(1, 0), B(1, 0)]    # each device waits for the other
+        with pytest.raises(ScheduleError, match="deadlock|waits"):
+            schedule.validate()
+        result = pipe.train_step(make_batch(T=6, B=4))                    # its own copy: GPipe, as built
+        assert [str(e.label) for e in result.timeline.compute("vgpu:0")][:2] == ["0F0", "0F1"]

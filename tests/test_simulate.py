@@ -187,3 +187,19 @@ def test_wavefront_chunks_split_the_sequence(c):
     wave = simulate("wavefront", [1.0, 1.0], micro_batches=1, chunks=c, link=NO_LINK)
     assert len(wave.compute()) == 2 * 2 * c and {e.chunk for e in wave.compute()} == set(range(c))
     assert naive.makespan / wave.makespan == pytest.approx(2 * c / (c + 1))
+
+
+def test_a_pipelines_own_link_is_simulated_and_a_schedules_counts_are_not_overridden():
+    from mpedu.pipeline import Pipeline
+    from mpedu.schedules import F, Schedule
+    model = tiny_model()
+    costs = [StageCost(1e-3)] * 2
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "gpipe", micro_batches=2,
+                  link="5ms,1MB/s") as pipe:
+        slow = simulate(pipe, costs).makespan
+        assert slow == pytest.approx(simulate(pipe, costs, link=pipe.link).makespan)      # it ignored the link
+        assert slow > simulate(pipe, costs, link="shared").makespan + 0.005     # 5 ms each way
+    with pytest.raises(ValueError, match="micro_batches=8, but the schedule 'gpipe' was built for 2"):
+        simulate(make("gpipe", [0, 1], 2), [1.0, 1.0], micro_batches=8)
+    with pytest.raises(ValueError, match="is missing"):          # a hand-built schedule the Pipeline would refuse
+        simulate(Schedule("mine", (0, 1), 1, [[F(0, 0)], [F(1, 0)]]), [1.0, 1.0])
