@@ -24,7 +24,7 @@ from .refusals import check
 from .simulate import simulate
 from .timeline_view import TimelineView
 from .training import step
-from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, link_label, sequences
+from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, link_label, plural, sequences
 
 
 class PipelineExplorer(w.VBox):
@@ -54,8 +54,15 @@ class PipelineExplorer(w.VBox):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if (recompute or "none") not in RECOMPUTE:
             raise ValueError(f"unknown recompute {recompute!r}; choose None, 'all' or 'all-but-last'")
+        if isinstance(link, str) and "/" in link and link.split("/")[0] in LINKS:   # "10gbe/100", as Link.parse
+            link, slowdown = link.split("/")[0], int(float(link.split("/")[1]))
         if link not in LINKS:
-            raise ValueError(f"unknown link {link!r}; choose one of {', '.join(LINKS)}")
+            raise ValueError(f"unknown link {link!r}; choose one of {', '.join(LINKS)}, with slowdown= one of "
+                             f"{', '.join(map(str, SLOWDOWNS))} (e.g. link='10gbe', slowdown=100)")
+        if slowdown not in SLOWDOWNS:
+            raise ValueError(f"slowdown={slowdown!r}; choose one of {', '.join(map(str, SLOWDOWNS))}")
+        if not 1 <= chunks <= max(1, min(8, T)):
+            raise ValueError(f"chunks={chunks}; the slider offers 1 to {max(1, min(8, T))} time chunks")
         self.model, self.batch, self.steps = model, batch, steps
         self.state_file = state_file or os.environ.get("MPEDU_WIDGET_STATE")   # for the browser test
         known = [] if costs is None else [costs] if hasattr(costs, "micro_batch") else list(costs)
@@ -323,7 +330,8 @@ class PipelineExplorer(w.VBox):
             f"{'estimated' if not measured else 'predicted'} step <b>{f['makespan_s'] * 1e3:.1f} ms</b> · "
             f"bubble <b>{f['bubble']:.0%}</b> · <b>{f['speedup']:.2f}×</b> the speed of one device doing the same "
             f"{m} micro-batch{'es' if m > 1 else ''} · <b>{f['transfers']}</b> transfers "
-            f"({f['bytes_moved'] / 1e6:.1f} MB) · {f['stages']} stages on {len(t.devices)} devices")
+            f"({f['bytes_moved'] / 1e6:.1f} MB) · {plural(f['stages'], 'stage')} on "
+            f"{plural(len(t.devices), 'device')}")
         self.note.value = cost_note(costs, self._costs.values(), measured)
         top = max(memory.values()) or 1
         self.board.device_notes = {d: {"text": f"busy {t.busy(d) * 1e3:.0f} ms of {t.makespan * 1e3:.0f}\n"

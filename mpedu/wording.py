@@ -18,8 +18,13 @@ def link_label(key: str, link) -> str:
     return f"{getattr(link, 'name', key)} ({speed})"
 
 
+def plural(n: int, word: str) -> str:
+    """'1 stage', '3 stages'."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def sequences(b: int) -> str:
-    return f"{b} sequence" if b == 1 else f"{b} sequences"
+    return plural(b, "sequence")
 
 
 def cost_note(costs, profiles, measured: bool) -> str:

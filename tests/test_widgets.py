@@ -383,3 +383,16 @@ def test_a_failing_run_reports_in_the_widget():
     explorer.wait(timeout=60)
     assert "tied weights" in explorer.run_status.value and "Traceback" not in explorer.run_status.value
     assert not explorer.running and not explorer.board.locked
+
+
+def test_the_constructor_reads_a_slowed_link_and_refuses_what_its_controls_cannot_show():
+    model = tiny_model(num_layers=3)
+    ex = PipelineExplorer(model, make_batch(T=T, B=B), devices=1, micro_batches=M, costs=fixed_costs(model),
+                          link="10gbe/100")                     # Link.parse's text, as notebook 04 wrote it
+    assert (ex.link_menu.value, ex.slowdown.value) == ("10gbe", 100)
+    assert "1 stage on 1 device" in text(ex.figure_line.value)   # not "1 stages on 1 devices"
+    for bad, words in ((dict(slowdown=50), "slowdown=50; choose one of 1, 10, 100"),
+                       (dict(chunks=20), "chunks=20; the slider offers 1 to 8"),
+                       (dict(link="fast"), "unknown link 'fast'; choose one of")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            PipelineExplorer(model, make_batch(T=T, B=B), micro_batches=M, costs=fixed_costs(model), **bad)
