@@ -283,7 +283,7 @@ class PipelineExplorer(w.VBox):
             except ValueError as error:
                 self.predicted, self.figures, self._fix = None, {}, getattr(error, "fix", None)
                 self.message.value, self.figure_line.value, self.note.value = _error(error), "", ""
-                self.board.device_notes = {}
+                self.board.device_notes = self.board.layer_notes = {}     # no figure of another choice stays
                 self.timeline.layout.display, self.run_button.disabled = "none", True   # no blank space left
                 self.timeline.show([], [])
                 self.best_plans.compare()

@@ -218,7 +218,7 @@ def test_a_refused_choice_leaves_no_stale_figure_status_or_space(explorer):
     assert explorer.timeline.layout.display == "none" and explorer.timeline.panels == []   # no blank space
     assert explorer.figure_line.value == "" and explorer.note.value == ""
     assert explorer.run_status.value == "" and explorer.progress.layout.display == "none"
-    assert explorer.board.device_notes == {} and explorer.measured is None
+    assert explorer.board.device_notes == {} and explorer.board.layer_notes == {} and explorer.measured is None
     explorer.schedule_menu.value = "gpipe"
     assert shown(explorer) and len(explorer.timeline.panels) == 1 and explorer.run_status.value == ""
 
