@@ -146,10 +146,13 @@ class Schedule:
         return self
 
     # -- printing -----------------------------------------------------------------
+    def label(self, a: Action) -> str:
+        """An action as the grid writes it: with time chunks, always with its chunk (0B0.0)."""
+        return f"{a}.0" if self.chunks > 1 and a.chunk == 0 else str(a)
+
     def grid(self, mark: Action | None = None) -> str:
         """Device x step table; `mark` gets '<-- ERROR HERE' on its row."""
-        def text(a: Action) -> str:  # with time chunks, always show the chunk
-            return f"{a}.0" if self.chunks > 1 and a.chunk == 0 else str(a)
+        text = self.label
 
         width = max([len(text(a)) for row in self.actions for a in row] + [3])
         steps = max((len(row) for row in self.actions), default=0)
@@ -205,13 +208,17 @@ def run_order(schedule: Schedule, cost: Callable[[int, Action], float] = lambda 
                 ready.append(waiter.pop(a))
     stuck = [d for d, row in enumerate(schedule.actions) if pos[d] < len(row)]
     if stuck:
-        lines = []
+        label = schedule.label
+        lines, cause = [], None
         for d in stuck:
             a = schedule.actions[d][pos[d]]
-            missing = ", ".join(str(x) for x in schedule.dependencies(a) if x not in done)
-            lines.append(f"device {d} waits at {a} for {missing}")
-        raise ScheduleError("deadlock: no device can go on\n  " + "\n  ".join(lines)
-                            + "\n" + schedule.grid(mark=schedule.actions[stuck[0]][pos[stuck[0]]]))
+            missing = [x for x in schedule.dependencies(a) if x not in done]
+            own = [x for x in missing if schedule.stage_devices[x.stage] == d]   # behind it on its own device
+            cause = cause or (a if own else None)
+            lines.append(f"device {d} waits at {label(a)} for {', '.join(map(label, missing))}"
+                         + (f", which comes later in device {d}'s own list" if own else ""))
+        mark = cause or schedule.actions[stuck[0]][pos[stuck[0]]]
+        raise ScheduleError("deadlock: no device can go on\n  " + "\n  ".join(lines) + "\n" + schedule.grid(mark=mark))
     played.sort(key=lambda x: (x[2], x[0]))
     return played
 

@@ -249,3 +249,13 @@ def test_a_schedule_edited_after_the_pipeline_was_built_does_not_reach_its_steps
             schedule.validate()
         result = pipe.train_step(make_batch(T=6, B=4))                    # its own copy: GPipe, as built
         assert [str(e.label) for e in result.timeline.compute("vgpu:0")][:2] == ["0F0", "0F1"]
+
+
+def test_a_deadlock_marks_the_device_that_waits_for_its_own_later_action():
+    """A B before its own F on device 1: the grid marked device 0's row, which only waits for device 1."""
+    s = Schedule("mine", (0, 1), 1, [[F(0, 0), B(0, 0)], [B(1, 0), F(1, 0)]])
+    with pytest.raises(ScheduleError) as caught:
+        s.validate()
+    text = str(caught.value)
+    assert "device 1 waits at 1B0 for 1F0, which comes later in device 1's own list" in text
+    assert [line for line in text.splitlines() if "ERROR HERE" in line][0].strip().startswith("dev 1")
