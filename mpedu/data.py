@@ -124,15 +124,18 @@ MAX_LINE_TOKENS = 10_000     # a longer line is more likely a file without line 
 def _read(path: Path, max_line_tokens: int) -> tuple[list[list[str]], int]:
     """Read one PTB-format file: (sentences, number of blank lines skipped)."""
     sentences, blank = [], 0
+    lineno = 0                   # lines as an editor counts them: a bare CR ends one too
     with open(path, "rb") as f:  # bytes, so that a bad byte can be reported with its line number
-        for lineno, raw in enumerate(f, start=1):
+        for raw in f:
+            lineno += 1
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise CorpusError(f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} "
                                   f"at column {e.start + 1}); the reader expects UTF-8 text") from None
             # a bare CR (old Mac line ends) ends a sentence too; a CRLF's CR goes with the newline
-            for part in line.rstrip("\r\n").split("\r"):
+            for k, part in enumerate(line.rstrip("\r\n").split("\r")):
+                lineno += k > 0
                 words = part.lstrip("\ufeff").split()  # a UTF-8 byte-order mark is not a word
                 if not words:
                     blank += 1

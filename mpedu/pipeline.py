@@ -215,7 +215,9 @@ class Pipeline:
     def carried_state(self) -> dict | None:
         """The recurrent state stream mode carries into the next batch: {layer: (h, c)}, each (1, B, H) for the
         whole batch width (the micro-batches side by side), on the CPU; None when nothing is carried. The
-        form is the placement's business no more: any runner loads it (load_carried_state)."""
+        form is the placement's business no more: any runner loads it (load_carried_state). B is the width the
+        pipeline ran: a batch widened by empty columns (mpedu.runner.fitted) leaves them at the end; keep the
+        first columns, the stream's (mpedu.training.stream_columns)."""
         if self._carry_shape is None:
             return None
         out = {}

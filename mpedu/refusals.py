@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from . import schedules
 from .placement import Placement
+from .wording import sequences
 
 
 class Refusal(ValueError):
@@ -64,15 +65,18 @@ def _check_interleaved(placement, layers, devices, in_turn: bool, m: int, batch_
     fits = [k for k in options if k % p == 0]
     if not fits:                     # before the dealing fix, which would lead to a layout that cannot run either
         others = [q for q in range(2, len(layers) // 2 + 1) if any(k % q == 0 for k in options)]
-        if schedule == "1f1b":       # the layers were dealt in turn, which makes 1F1B interleave
-            instead, fix = ("Drag each device's layers together (1F1B then runs one stage per device), or pick "
-                            "GPipe.", ("use GPipe", "schedule", "gpipe"))
+        ways = [f"use {' or '.join(map(str, others))} devices"] if others else []
+        if len(placement.stages) > p:   # several stages a device: 1F1B would interleave them too
+            ways += ["drag each device's layers together (then 1F1B runs one stage per device)", "pick GPipe"]
+            fix = ("use GPipe", "schedule", "gpipe")
         else:
-            instead = f"Use {' or '.join(map(str, others))} devices, or pick 1F1B." if others else "Pick 1F1B."
-            fix = None
+            ways.append("pick 1F1B")
+            fix = ("use 1F1B", "schedule", "1f1b")
+        instead = ", ".join(ways[:-1]) + (", or " if len(ways) > 1 else "") + ways[-1] + "."
+        instead = instead[0].upper() + instead[1:]
         raise Refusal(f"{label} sends micro-batches round the {p} devices in groups of {p}, but a batch of "
-                      f"{batch_width} sequences splits into {', '.join(map(str, options))} micro-batches, none a "
-                      f"multiple of {p}. {instead}", fix=fix)
+                      f"{sequences(batch_width)} splits into {', '.join(map(str, options))} micro-batch"
+                      f"{'es' if options != [1] else ''}, none a multiple of {p}. {instead}", fix=fix)
     if not in_turn or len(placement.stages) < 2 * p:
         dealing = dealt(layers, devices)
         raise Refusal(f"{label} needs the layers dealt to the devices in turn, at least twice round: a run "

@@ -142,8 +142,13 @@ class Schedule:
                             raise ScheduleError(f"{Action(kind, s, i, c)} is missing: every stage needs "
                                                 f"{' and '.join(kinds)} for every micro-batch\n{self.grid()}")
         run_order(self)  # raises on deadlock
-        self._checked = True   # (simulate checks a schedule only once; a Pipeline runs its own copy)
+        self._checked = self._fingerprint()   # simulate checks it again only if edited since
         return self
+
+    def _fingerprint(self) -> int:
+        """What validate() checked, as one number (a hash of the rows and counts: cheap next to validating)."""
+        return hash((tuple(self.stage_devices), self.micro_batches, self.chunks, frozenset(self.split_backward),
+                     tuple(tuple(row) for row in self.actions)))
 
     # -- printing -----------------------------------------------------------------
     def label(self, a: Action) -> str:

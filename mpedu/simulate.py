@@ -80,8 +80,8 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
             if given is not None and given != own:
                 raise ValueError(f"{what}={given}, but the schedule {schedule.name!r} was built for {own}; leave "
                                  f"{what} out (a Schedule brings its own) or build the schedule for {given}")
-        if not getattr(schedule, "_checked", False):     # hand-built: what a Pipeline would refuse, refused here
-            schedule.validate()
+        if getattr(schedule, "_checked", None) != schedule._fingerprint():   # hand-built or edited since: what a
+            schedule.validate()                                               # Pipeline would refuse, refused here
     if placement is not None and list(schedule.stage_devices) != placement.stage_devices:
         raise ValueError(f"schedule {schedule.name!r} was built for stage devices {list(schedule.stage_devices)}, "
                          f"but the placement {placement} gives {placement.stage_devices}; build the schedule "

@@ -76,6 +76,7 @@ class Stage:
         self.device = device
         self.is_first = index == 0
         self.is_last = is_last
+        self._read_weights()
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.state: dict[int, dict] = {}        # micro-batch -> per-layer (h, c) after its latest chunk
         self.carry, self.chunks = True, 1       # the step's: keep the final state for the next? time chunks
@@ -86,20 +87,17 @@ class Stage:
     def __repr__(self) -> str:
         return f"Stage({self.index}, {','.join(self.names)} on {self.device})"
 
-    # The layers' weights are read at each use, not kept: a weight the caller replaces (a pretrained
-    # embedding assigned after the pipeline was built) is the one forward uses, so backward must ask for its
-    # gradient, not the old one's.
-    @property
-    def _all_params(self) -> list[torch.nn.Parameter]:
-        return [p for layer in self.layers for p in layer.parameters()]
-
-    @property
-    def _weights_in_b(self) -> set[int]:
-        """Split backward (zero bubble): the weights of the layers up to the last recurrent one get their
-        gradients in B, not W. B runs those layers' backward kernels anyway, and a W would walk back through
-        them again to reach the weights below: an LSTM stage's W would cost a second full backward."""
+    def _read_weights(self) -> None:
+        """The layers' weights, read again at every step's start (reset): a weight the caller replaced after the
+        pipeline was built (a pretrained embedding) is the one forward uses, so backward must ask for its
+        gradient, not the old one's. Split backward (zero bubble): the weights of the layers up to the last
+        recurrent one get their gradients in B, not W. B runs those layers' backward kernels anyway, and a W
+        would walk back through them again to reach the weights below: an LSTM stage's W would cost a second
+        full backward."""
+        self._all_params = [p for layer in self.layers for p in layer.parameters()]
         last = max((k for k, layer in enumerate(self.layers) if is_recurrent(layer)), default=-1)
-        return {id(p) for layer in self.layers[:last + 1] for p in layer.parameters()}
+        self._weights_in_b = {id(p) for layer in self.layers[:last + 1] for p in layer.parameters()}
+        self._param_storages = {p.untyped_storage().data_ptr() for p in self._all_params}
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -113,6 +111,7 @@ class Stage:
         Without carry only a chunk's state for the next chunk is kept: a step of m micro-batches would
         otherwise keep m x layers x (h, c) tensors only to free them at the next step."""
         self.carry, self.chunks = carry, chunks
+        self._read_weights()
         self.saved.clear()
         self.state_grad.clear()
         self.nll.clear()
@@ -213,8 +212,7 @@ class Stage:
         (the pipeline holds those for the whole step, cut from one block per batch, so no backward
         frees them)."""
         data = {t.untyped_storage().data_ptr() for t in (x, targets) if t is not None and not t.is_floating_point()}
-        weights = {p.untyped_storage().data_ptr() for p in self._all_params}
-        return count_saved(storages, weights | data)
+        return count_saved(storages, self._param_storages | data)
 
     def saved_bytes(self, mb: int, chunk: int = 0) -> int:
         """Activation bytes held for the backward of (mb, chunk); 0 once it has run."""
@@ -281,8 +279,7 @@ class Stage:
             leaf_grads = [t.grad for t in leaves]
             del self.saved[mb, chunk]
         else:
-            in_b = self._weights_in_b
-            early = [p for p in params if id(p) in in_b]
+            early = [p for p in params if id(p) in self._weights_in_b]
             if early:               # recurrent layers: their weights now, with the input gradient
                 torch.autograd.backward(outputs, grads, inputs=leaves + early, retain_graph=True)
                 leaf_grads = [t.grad for t in leaves]
@@ -303,7 +300,6 @@ class Stage:
         if saved.grads is None:       # B found nothing to differentiate (frozen layers on token ids)
             return
         outputs, grads = saved.grads
-        in_b = self._weights_in_b
-        params = [p for p in self.params if id(p) not in in_b]    # the rest went in B
+        params = [p for p in self.params if id(p) not in self._weights_in_b]    # the rest went in B
         if params and outputs[0].requires_grad:
             torch.autograd.backward(outputs, grads, inputs=params)

@@ -54,6 +54,12 @@ def make_batches(sentences, batch_size: int, *, bptt: int | None = None, buckets
     return batches
 
 
+def stream_columns(state: dict, batch_size: int) -> dict:
+    """A carried state's first batch_size columns: the stream's own (a runner's batch may have been widened by
+    empty columns, mpedu.runner.fitted)."""
+    return {name: tuple(t[:, :batch_size] for t in ts) for name, ts in state.items()}
+
+
 def evaluate(runner, sentences, batch_size: int, *, bptt: int | None = None, buckets=None,
              limit: int | None = None) -> float:
     """Perplexity over all real tokens of `sentences`: exp(total NLL / total tokens), each sentence whole
@@ -193,8 +199,10 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         try:
             batches = make_batches(corpus.sentences(split), batch_size, bptt=bptt, buckets=buckets,
                                    shuffle=split == "train", seed=seed, whole=split != "train")
-        except ValueError as e:             # the data cannot meet a setting: say which split
-            raise ValueError(f"{corpus.name}'s {split} split: {e}") from None
+        except ValueError as e:             # a stream the data cannot fill: say which split
+            if bptt:
+                raise ValueError(f"{corpus.name}'s {split} split: {e}") from None
+            raise
         if split == "train":
             train_batches = batches
         elif limit_batches is not None and limit_batches < len(batches):
@@ -245,7 +253,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         # micro-batches do not divide batch_size, and another runner's is not
         state = getattr(runner, "carried_state", lambda: None)() if bptt and batch > 0 else None
         if state is not None:
-            state = {name: tuple(t[:, :batch_size] for t in ts) for name, ts in state.items()}
+            state = stream_columns(state, batch_size)
         try:
             save_checkpoint(ckpt_path, model=model, optimizer=optimizer, vocab=corpus.vocab, history=history,
                             epoch=epoch, batch=batch, totals=totals, placement=placement, settings=settings,
@@ -274,8 +282,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         earlier = totals["train_seconds"]  # time spent on this epoch before a resume
         runner.reset_state()
         if start > 0 and carried is not None:   # stream mode, resumed mid-epoch: the state the stop left
-            if hasattr(runner, "load_carried_state"):
-                runner.load_carried_state(carried)
+            if hasattr(runner, "load_carried_state"):   # (a checkpoint written before the cut may be wider)
+                runner.load_carried_state(stream_columns(carried, batch_size))
             else:
                 log(f"note: {type(runner).__name__} cannot take the carried state back; it starts afresh")
         # The order is a function of (seed, epoch), so skipping `start` batches lands where we stopped.

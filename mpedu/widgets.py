@@ -54,8 +54,12 @@ class PipelineExplorer(w.VBox):
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if (recompute or "none") not in RECOMPUTE:
             raise ValueError(f"unknown recompute {recompute!r}; choose None, 'all' or 'all-but-last'")
-        if isinstance(link, str) and "/" in link and link.split("/")[0] in LINKS:   # "10gbe/100", as Link.parse
-            link, slowdown = link.split("/")[0], int(float(link.split("/")[1]))
+        if isinstance(link, str) and "/" in link:        # "10gbe/100", as Link.parse writes a slowed preset
+            name, _, factor = link.partition("/")
+            if slowdown != 1 or name.strip().lower() not in LINKS or factor.strip() not in map(str, SLOWDOWNS):
+                raise ValueError(f"link={link!r}: the explorer offers a preset slowed {', '.join(map(str, SLOWDOWNS))}"
+                                 f" times, e.g. link='10gbe/100' or link='10gbe', slowdown=100 (not both)")
+            link, slowdown = name.strip().lower(), int(factor)
         if link not in LINKS:
             raise ValueError(f"unknown link {link!r}; choose one of {', '.join(LINKS)}, with slowdown= one of "
                              f"{', '.join(map(str, SLOWDOWNS))} (e.g. link='10gbe', slowdown=100)")
@@ -371,9 +375,14 @@ class PipelineExplorer(w.VBox):
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the run and any measurement have ended (for scripts and tests; the widget never waits)."""
-        for thread in [self._thread, *list(self._measuring.values())]:
-            if thread is not None:
+        while True:                   # again: a run that ends redraws, which may start a measurement
+            threads = [t for t in [self._thread, *list(self._measuring.values())] if t is not None and t.is_alive()]
+            if not threads:
+                break
+            for thread in threads:
                 thread.join(timeout)
+            if timeout is not None and any(t.is_alive() for t in threads):
+                break
         self.best_plans.wait(timeout)                      # last: a measurement that ends starts a search
 
     def _train(self, placement, schedule, here, steps, cores) -> None:
@@ -406,15 +415,16 @@ class PipelineExplorer(w.VBox):
         except Exception as error:                        # shown in the widget, never as a traceback
             self.run_status.value = _error(error)
         finally:
-            self.running = False
-            self._lock(False)
-            if self._changed_in_run:          # Python changed a choice meanwhile: draw the board as it is now
-                self._changed_in_run = False
-                self._update()
-            elif estimated and (self.batch.inputs.shape[0], self.batch.inputs.shape[1] // schedule.micro_batches) \
-                    in self._costs:           # the costs were measured meanwhile: predict from them, run kept
-                self._update(keep_run=True)
-            self._save_state()
+            with self._update_lock:           # a change from Python is either seen as during the run, or after
+                self.running = False
+                self._lock(False)
+                if self._changed_in_run:      # Python changed a choice meanwhile: draw the board as it is now
+                    self._changed_in_run = False
+                    self._update()
+                elif estimated and (self.batch.inputs.shape[0], self.batch.inputs.shape[1] // schedule.micro_batches) \
+                        in self._costs:       # the costs were measured meanwhile: predict from them, run kept
+                    self._update(keep_run=True)
+                self._save_state()
 
     def _lock(self, on: bool) -> None:
         """While a run trains, the choices stay as they were when it started."""

@@ -158,6 +158,9 @@ def test_reader_handles_ptb_spacing_crlf_and_a_byte_order_mark(tmp_path):
     # old Mac line ends (a bare CR) end sentences too: the file was one sentence, or one over-long line
     path.write_bytes(b"the cat\ra dog\r\rsat\r")
     assert read_sentences(path) == [["the", "cat"], ["a", "dog"], ["sat"]]
+    path.write_bytes(b"a b\rc d\ra <pad> b\r")                          # its line numbers count the CRs
+    with pytest.raises(CorpusError, match=r"x\.txt:3: the token <pad> is reserved"):
+        read_sentences(path)
     path.write_bytes(b"w " * 60)                                       # no line ends at all
     with pytest.raises(CorpusError, match="line ends may be missing.*command line reads at most 10,000"):
         read_sentences(path, max_line_tokens=50)

@@ -74,7 +74,7 @@ def test_dealt_cuts_the_layers_into_2p_runs_round_the_devices():
     assert dealt(["a", "b", "c", "d", "e"], DEVICES) == "a,b:vgpu0 | c:vgpu1 | d:vgpu0 | e:vgpu1"
 
 
-def test_interleaved_with_no_micro_batch_count_that_fits_any_device_count_says_pick_1f1b():
+def test_interleaved_with_no_micro_batch_count_that_fits_any_device_count_on_dealt_layers_says_pick_gpipe():
     from mpedu.refusals import check
     layers = ["embed", "lstm0", "lstm1", "lstm2", "lstm3", "decode"]
     devices = ["vgpu:0", "vgpu:1", "vgpu:2"]
@@ -82,4 +82,8 @@ def test_interleaved_with_no_micro_batch_count_that_fits_any_device_count_says_p
     with pytest.raises(Refusal) as caught:
         check(layers, devices, board, "interleaved", "interleaved 1F1B", 1, chunks=1, batch_width=1)
     message = str(caught.value)
-    assert "Use  devices" not in message and message.endswith("Pick 1F1B.")
+    # 1F1B on layers dealt in turn would interleave them and be refused the same way: GPipe, or one stage a device
+    assert "Use  devices" not in message and message.endswith("Drag each device's layers together (then 1F1B "
+                                                              "runs one stage per device), or pick GPipe.")
+    assert "a batch of 1 sequence splits into 1 micro-batch, none" in message
+    assert caught.value.fix == ("use GPipe", "schedule", "gpipe")

@@ -148,6 +148,28 @@ def test_a_stream_mode_resume_mid_epoch_equals_an_uninterrupted_run(little, tmp_
         assert h_resumed.test_ppl == pytest.approx(h_straight.test_ppl, rel=1e-5)
 
 
+def test_a_widened_pipelines_state_goes_on_in_its_first_columns(little):
+    """3 micro-batches run a batch of 8 as 9 columns, and carried_state() is 9 wide (a checkpoint written before
+    the cut holds that too): its first 8 columns, loaded anywhere, are the stream's state."""
+    from mpedu.bucketing import StreamIterator
+    from mpedu.runner import fitted
+    from mpedu.training import stream_columns
+    windows = list(StreamIterator(little.train, 8, 6))[:3]
+    model = lm(little)
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "1f1b", micro_batches=3) as pipe:
+        for batch in windows[:2]:
+            pipe.eval_step(fitted(pipe, batch))
+        wide = pipe.carried_state()
+        expected = pipe.eval_step(fitted(pipe, windows[2])).loss
+    assert wide["lstm0"][0].shape[1] == 9
+    for runner in (SingleDevice(model), Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "gpipe", 4)):
+        with contextlib.closing(runner) if hasattr(runner, "close") else contextlib.nullcontext():
+            runner.load_carried_state(stream_columns(wide, 8))
+            assert runner.eval_step(fitted(runner, windows[2])).loss == pytest.approx(expected, rel=1e-6)
+            runner.reset_state()                                  # from zero state: another number
+            assert abs(runner.eval_step(fitted(runner, windows[2])).loss - expected) > 1e-5
+
+
 # ---------------------------------------------------------------- kill -9 and resume
 
 ARGS = ["train", "--config", "tiny", "--epochs", "3", "--limit-batches", "6", "--batch-size", "16", "--lr", "5",

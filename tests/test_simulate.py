@@ -203,3 +203,7 @@ def test_a_pipelines_own_link_is_simulated_and_a_schedules_counts_are_not_overri
         simulate(make("gpipe", [0, 1], 2), [1.0, 1.0], micro_batches=8)
     with pytest.raises(ValueError, match="is missing"):          # a hand-built schedule the Pipeline would refuse
         simulate(Schedule("mine", (0, 1), 1, [[F(0, 0)], [F(1, 0)]]), [1.0, 1.0])
+    edited = make("gpipe", [0, 1], 2)                              # checked when made, then edited
+    edited.actions[0].remove(edited.actions[0][-1])
+    with pytest.raises(ValueError, match="is missing"):
+        simulate(edited, [1.0, 1.0])
