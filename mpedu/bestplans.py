@@ -9,7 +9,7 @@ import threading
 import ipywidgets as w
 
 from .costcurve import CostCurve
-from .devices import format_size, parse_size
+from .devices import SIZE_UNITS, format_size, parse_size
 from .planner import NoPlanFits, PlanStopped, plan, search_shapes
 from .wording import RECOMPUTE, SCHEDULES
 
@@ -157,7 +157,7 @@ class BestPlans(w.VBox):
             mine = " ← your choice" if choice and same_plan(c, choice[0]) else ""
             mark = "★ fastest that fits · " if c is best else "" if c.fits else "over the cap · "
             unit = format_size(max(c.device_bytes)).split()[-1]             # one unit for the row: the largest's
-            scale = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "kB": 1e3}.get(unit, 1)
+            scale = SIZE_UNITS[unit]
             memory = " / ".join(f"{b / scale:.3g}" for b in c.device_bytes) + f" {unit}"
             style = ("background:#fff3cd; font-weight:bold" if c is best else "" if c.fits else "color:#777")
             text.value = (f'<div style="{style}">{mark}<b>{c.step_s * 1e3:.1f} ms</b> · memory {memory} · '

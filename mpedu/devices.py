@@ -154,10 +154,13 @@ def parse_size(value) -> int:
     return int(number)
 
 
+SIZE_UNITS = {"TB": 1e12, "GB": 1e9, "MB": 1e6, "kB": 1e3, "bytes": 1.0}   # what format_size writes, largest first
+
+
 def format_size(nbytes: float, up: bool = False) -> str:
     """A size for people: 1.59 MB, 950 kB, 12 bytes (powers of 1000, like parse_size's MB). up=True rounds up
     (a minimum to type back: "at least 556 kB" for 555,072 bytes, which "555 kB" would miss)."""
-    units = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("bytes", 1.0))
+    units = list(SIZE_UNITS.items())
     for k, (unit, scale) in enumerate(units):
         if nbytes >= scale or unit == "bytes":
             value = nbytes / scale

@@ -88,11 +88,7 @@ class Pipeline:
             # its own copy of the rows: an edit of the caller's schedule after this would otherwise reach the
             # steps unchecked (and a cycle between devices would wait for ever)
             self.schedule = replace(schedule, actions=[list(row) for row in schedule.actions]).validate()
-            for what, given, own in (("micro_batches", micro_batches, schedule.micro_batches),
-                                     ("chunks", chunks, schedule.chunks)):
-                if given is not None and given != own:
-                    raise ValueError(f"{what}={given}, but the schedule {schedule.name!r} was built for {own}; "
-                                     f"leave {what} out (a Schedule brings its own) or build the schedule for {given}")
+            schedule.check_counts(micro_batches, chunks)
         else:
             self.schedule = schedules.make(schedule, stage_devices, 4 if micro_batches is None else micro_batches,
                                            1 if chunks is None else chunks)

@@ -101,6 +101,14 @@ class Schedule:
         return deps
 
     # -- checking -----------------------------------------------------------------
+    def check_counts(self, micro_batches: int | None = None, chunks: int | None = None) -> None:
+        """Refuse a micro_batches= or chunks= given beside this schedule that contradicts its own counts
+        (None: not given; a Schedule brings its own)."""
+        for what, given, own in (("micro_batches", micro_batches, self.micro_batches), ("chunks", chunks, self.chunks)):
+            if given is not None and given != own:
+                raise ValueError(f"{what}={given}, but the schedule {self.name!r} was built for {own}; leave "
+                                 f"{what} out (a Schedule brings its own) or build the schedule for {given}")
+
     def validate(self) -> "Schedule":
         """Raise ScheduleError naming the first bad action; return self when the schedule can run."""
         for what, value in (("micro_batches", self.micro_batches), ("chunks", self.chunks)):

@@ -72,14 +72,9 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
         if micro_batches is None:
             raise ValueError(f"simulate({schedule!r}, ...) needs micro_batches=m to build the schedule")
         stage_devices = placement.stage_devices if placement is not None else list(range(len(stage_costs)))
-        schedule = (schedules.make(schedule, stage_devices, micro_batches) if chunks in (None, 1)
-                    else schedules.make(schedule, stage_devices, micro_batches, chunks=chunks))
+        schedule = schedules.make(schedule, stage_devices, micro_batches, 1 if chunks is None else chunks)
     else:
-        for what, given, own in (("micro_batches", micro_batches, schedule.micro_batches),
-                                 ("chunks", chunks, schedule.chunks)):
-            if given is not None and given != own:
-                raise ValueError(f"{what}={given}, but the schedule {schedule.name!r} was built for {own}; leave "
-                                 f"{what} out (a Schedule brings its own) or build the schedule for {given}")
+        schedule.check_counts(micro_batches, chunks)
         if getattr(schedule, "_checked", None) != schedule._fingerprint():   # hand-built or edited since: what a
             schedule.validate()                                               # Pipeline would refuse, refused here
     if placement is not None and list(schedule.stage_devices) != placement.stage_devices:

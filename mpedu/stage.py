@@ -76,6 +76,8 @@ class Stage:
         self.device = device
         self.is_first = index == 0
         self.is_last = is_last
+        # (the layers are fixed for the stage's life: a Pipeline refuses a replaced one)
+        self._last_recurrent = max((k for k, layer in enumerate(layers) if is_recurrent(layer)), default=-1)
         self._read_weights()
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.state: dict[int, dict] = {}        # micro-batch -> per-layer (h, c) after its latest chunk
@@ -95,8 +97,7 @@ class Stage:
         would walk back through them again to reach the weights below: an LSTM stage's W would cost a second
         full backward."""
         self._all_params = [p for layer in self.layers for p in layer.parameters()]
-        last = max((k for k, layer in enumerate(self.layers) if is_recurrent(layer)), default=-1)
-        self._weights_in_b = {id(p) for layer in self.layers[:last + 1] for p in layer.parameters()}
+        self._weights_in_b = {id(p) for layer in self.layers[:self._last_recurrent + 1] for p in layer.parameters()}
         self._param_storages = {p.untyped_storage().data_ptr() for p in self._all_params}
 
     @property

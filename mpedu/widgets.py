@@ -65,8 +65,9 @@ class PipelineExplorer(w.VBox):
                              f"{', '.join(map(str, SLOWDOWNS))} (e.g. link='10gbe', slowdown=100)")
         if slowdown not in SLOWDOWNS:
             raise ValueError(f"slowdown={slowdown!r}; choose one of {', '.join(map(str, SLOWDOWNS))}")
-        if not 1 <= chunks <= max(1, min(8, T)):
-            raise ValueError(f"chunks={chunks}; the slider offers 1 to {max(1, min(8, T))} time chunks")
+        most_chunks = max(1, min(8, T))                    # what the time-chunk slider offers
+        if not 1 <= chunks <= most_chunks:
+            raise ValueError(f"chunks={chunks}; the slider offers 1 to {most_chunks} time chunks")
         self.model, self.batch, self.steps = model, batch, steps
         self.state_file = state_file or os.environ.get("MPEDU_WIDGET_STATE")   # for the browser test
         known = [] if costs is None else [costs] if hasattr(costs, "micro_batch") else list(costs)
@@ -94,7 +95,7 @@ class PipelineExplorer(w.VBox):
         menu = {"style": wide["style"], "layout": w.Layout(width="max-content")}   # never cut the longest name
         self.schedule_menu = w.Dropdown(options=[(text, key) for key, text in SCHEDULES.items()], value=schedule,
                                         description="schedule", **menu)
-        self.chunks = w.IntSlider(chunks, 1, max(1, min(8, T)), description="time chunks (wavefront only)",
+        self.chunks = w.IntSlider(chunks, 1, most_chunks, description="time chunks (wavefront only)",
                                   **wide)
         self.link_menu = w.Dropdown(options=[(link_label(k, v), k) for k, v in LINKS.items()],
                                     value=link, description="link", **menu)
@@ -331,7 +332,7 @@ class PipelineExplorer(w.VBox):
                             "stages": len(placement.stages), "memory_bytes": memory, "estimated": not measured}
         m = schedule.micro_batches
         self.figure_line.value = (
-            f"{'estimated' if not measured else 'predicted'} step <b>{f['makespan_s'] * 1e3:.1f} ms</b> · "
+            f"{self._kind_of_prediction()} <b>{f['makespan_s'] * 1e3:.1f} ms</b> · "
             f"bubble <b>{f['bubble']:.0%}</b> · <b>{f['speedup']:.2f}×</b> the speed of one device doing the same "
             f"{m} micro-batch{'es' if m > 1 else ''} · <b>{f['transfers']}</b> transfers "
             f"({f['bytes_moved'] / 1e6:.1f} MB) · {plural(f['stages'], 'stage')} on "
