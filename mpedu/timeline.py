@@ -152,7 +152,16 @@ class Timeline:
         if not isinstance(d, dict) or not {"devices", "events"} <= d.keys():
             raise ValueError("not a timeline: expected a dict with 'devices' and 'events', as to_dict() and "
                              "<stem>.timeline.json hold")
-        return cls(list(d["devices"]), [Event(**e) for e in d["events"]], d.get("source", "measured"))
+        devices, fields = list(d["devices"]), set(Event.__dataclass_fields__)
+        for k, e in enumerate(d["events"]):
+            unknown = set(e) - fields if isinstance(e, dict) else None
+            if unknown is None or unknown:
+                raise ValueError(f"event {k} of the timeline is not an Event: {e!r} "
+                                 f"(fields: {', '.join(Event.__dataclass_fields__)})")
+            if e.get("device") not in devices:      # (a peer may be elsewhere: "rank:1" under torchrun)
+                raise ValueError(f"event {k} is on device {e.get('device')!r}, which the timeline's devices "
+                                 f"{devices} do not list")
+        return cls(devices, [Event(**e) for e in d["events"]], d.get("source", "measured"))
 
     def to_json(self, path) -> None:
         # temp file + rename, like a checkpoint: a symlink planted at `path` is replaced, not followed

@@ -24,7 +24,7 @@ from .refusals import check
 from .simulate import simulate
 from .timeline_view import TimelineView
 from .training import step
-from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, link_label, plural, sequences
+from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, far_from_prediction, link_label, plural, sequences
 
 
 class PipelineExplorer(w.VBox):
@@ -390,6 +390,7 @@ class PipelineExplorer(w.VBox):
         # the command line's step (mpedu.training.step), with its learning rate and clipping, for a few steps
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer, done, predicted = torch.optim.SGD(params, lr=LR), 0, self.predicted
+        spans = []                                       # each step's measured makespan
         kind, estimated = self._kind_of_prediction(), self.figures.get("estimated")
         expect = (f" ({len(placement.devices)} devices take turns on {cores} cores here: about "
                   f"{here.makespan * 1e3:.0f} ms expected)" if here is not None else "")
@@ -403,6 +404,7 @@ class PipelineExplorer(w.VBox):
                                                  "not finite, so the weights were left as they were and the run "
                                                  "stopped")
                     done += 1
+                    spans.append(result.timeline.makespan)
                     self.measured = result.timeline
                     self.losses.append(result.loss)
                     self.progress.value = done
@@ -413,6 +415,8 @@ class PipelineExplorer(w.VBox):
                     self._save_state()
             if done < steps:
                 self.run_status.value += f" · stopped after {done} of {steps} steps"
+            self.run_status.value += far_from_prediction(spans, (predicted if here is None else here).makespan,
+                                                         all(d.virtual for d in placement.devices))
         except Exception as error:                        # shown in the widget, never as a traceback
             self.run_status.value = _error(error)
         finally:

@@ -1,6 +1,8 @@
 """The explorer's words: its menus (schedules, links, slow-downs, recomputation), and why its numbers may surprise."""
 from __future__ import annotations
 
+import statistics
+
 SCHEDULES = {"naive": "naive (one micro-batch at a time)", "gpipe": "GPipe", "1f1b": "1F1B",
              "interleaved": "interleaved 1F1B", "zb1": "zero bubble (ZB-H1)", "wavefront": "wavefront (time chunks)"}
 # A CPU core computes about 100x slower than a GPU: a link slowed as much keeps a GPU's compute-to-communication ratio.
@@ -44,3 +46,22 @@ def cost_note(costs, profiles, measured: bool) -> str:
             f"micro-batches of {sequences(best)} do (small matrix products keep a core less busy). So the step "
             f"can get slower while the speed against one device rises: that device does the same small "
             f"micro-batches one after another.")
+
+
+def far_from_prediction(spans: list[float], predicted_s: float, virtual: bool, factor: float = 1.5) -> str:
+    """A word after a run whose steps took more than `factor` times the prediction, or less than 1/factor
+    of it ("" otherwise): the typical step (the median, the first one left out: it warms up) against the
+    prediction. A prediction is only as good as the costs beneath it: measured alone, at another time."""
+    typical = statistics.median(spans[1:] or spans) if spans else 0.0
+    if not typical or not predicted_s or 1 / factor <= typical / predicted_s <= factor:
+        return ""
+    ratio = f"the steps took {typical / predicted_s:.1f}× the prediction ({typical * 1e3:.1f} ms against " \
+            f"{predicted_s * 1e3:.1f})"
+    if typical > predicted_s:
+        why = ("other work is probably taking the CPU cores, which the prediction gives the virtual devices "
+               "alone (mpedu.claims.free_cores() measures how many are free now)" if virtual else
+               "other work is probably taking these devices")
+        why += ", or the layers' costs were measured on faster hardware"
+    else:
+        why = "the layers' costs were measured while the machine was busier than now, or on another machine"
+    return f" · {ratio}: {why}"

@@ -35,6 +35,20 @@ def test_summary_and_round_trip():
     assert Timeline.from_dict(t.to_dict()).events == t.events
 
 
+def test_from_dict_names_an_event_it_cannot_place():
+    d = two_device_gpipe().to_dict()
+    d["events"][2]["device"] = "vgpu:7"
+    with pytest.raises(ValueError, match=r"event 2 is on device 'vgpu:7', which the timeline's devices"):
+        Timeline.from_dict(d)
+    d = two_device_gpipe().to_dict()
+    d["events"][0]["colour"] = "red"
+    with pytest.raises(ValueError, match=r"event 0 of the timeline is not an Event.*fields: device, kind"):
+        Timeline.from_dict(d)
+    d = two_device_gpipe().to_dict()
+    d["events"][0]["peer"] = "rank:1"            # a receiver on another process (torchrun) is kept
+    assert Timeline.from_dict(d).chrome_trace()["traceEvents"]
+
+
 def test_empty_timeline_has_no_bubble():
     assert Timeline(["vgpu:0"]).bubble_fraction == 0.0
 

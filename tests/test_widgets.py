@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("anywidget")
 
 from conftest import make_batch, tiny_model  # noqa: E402
-from mpedu.wording import SCHEDULES  # noqa: E402
+from mpedu.wording import SCHEDULES, far_from_prediction  # noqa: E402
 from mpedu.link import LINKS  # noqa: E402
 from mpedu.placement import Placement  # noqa: E402
 from mpedu.profile import Costs  # noqa: E402
@@ -399,3 +399,26 @@ def test_the_constructor_reads_a_slowed_link_and_refuses_what_its_controls_canno
                        (dict(link="10gbe/10", slowdown=100), "(not both)")):
         with pytest.raises(ValueError, match=re.escape(words)):
             PipelineExplorer(model, make_batch(T=T, B=B), micro_batches=M, costs=fixed_costs(model), **bad)
+
+
+def test_a_run_far_from_its_prediction_says_why_it_may_be():
+    model = tiny_model(num_layers=3)
+    words = {}
+    for name, per_sequence in (("slower", 1e-4), ("faster", 1e3)):   # costs 10,000x too small, then too large
+        ex = PipelineExplorer(model, make_batch(T=T, B=B), devices=2, micro_batches=M, steps=3,
+                              costs=fixed_costs(model, per_sequence=per_sequence))
+        ex.run()
+        ex.wait(timeout=120)
+        words[name] = text(ex.run_status.value)
+        assert "step 3/3" in words[name]
+    assert "× the prediction" in words["slower"] and "free_cores()" in words["slower"], words["slower"]
+    assert "× the prediction" in words["faster"] and "busier than now" in words["faster"], words["faster"]
+
+
+def test_far_from_prediction_compares_the_typical_step():
+    assert far_from_prediction([0.5, 0.11, 0.10, 0.12], 0.1, virtual=True) == ""     # the warm-up step left out
+    slow = far_from_prediction([0.2, 0.2, 0.3], 0.1, virtual=True)
+    assert "2.5× the prediction (250.0 ms against 100.0)" in slow and "CPU cores" in slow
+    assert "these devices" in far_from_prediction([0.2, 0.2], 0.1, virtual=False)
+    assert "0.5× the prediction" in far_from_prediction([0.05, 0.05], 0.1, virtual=True)
+    assert far_from_prediction([], 0.1, virtual=True) == ""                        # stopped before a step
