@@ -385,4 +385,13 @@ def test_two_replicas_train_as_one_process_on_the_whole_batch(tmp_path):
         mine = [e for e in timeline["events"] if e["device"] == f"rank:{r}"]
         [reduce] = [e for e in mine if e["kind"] == "allreduce"]
         assert reduce["start"] >= max(e["end"] for e in mine if e["kind"] == "B")
+    # the rows share one clock (rank 0's, as every process on one machine reads it): a collective ends on
+    # no rank before its partner began it, and no stage starts a micro-batch before it was sent to it
+    reduces = {e["device"]: e for e in timeline["events"] if e["kind"] == "allreduce"}
+    for a, b in (("rank:0", "rank:2"), ("rank:1", "rank:3")):
+        assert reduces[a]["end"] >= reduces[b]["start"] and reduces[b]["end"] >= reduces[a]["start"], reduces
+    for send in (e for e in timeline["events"] if e["kind"] == "send" and e["stage"] == 0):
+        [consumer] = [e for e in timeline["events"] if e["device"] == send["peer"] and e["kind"] == "F"
+                      and e["mb"] == send["mb"]]
+        assert consumer["start"] >= send["start"], (send, consumer)
     assert (tmp_path / "last_step.png").stat().st_size > 0

@@ -46,3 +46,13 @@ def test_one_rank_trains_and_evaluates_as_the_single_device_runner(one_rank):
         DistributedPipeline(model, None, "gpipe", 4, width=6)
     with pytest.raises(ValueError, match="--pipeline-devices 2 must divide"):
         DistributedPipeline(model, None, "gpipe", 4, pipeline_devices=2)
+
+
+def test_one_rank_is_its_own_clock_origin_on_either_path(one_rank):
+    import time
+    from mpedu.distributed.timing import shared_origin
+    for same_host in (None, True, False):        # None asks the ranks; False estimates an offset (0 for rank 0)
+        before = time.perf_counter()
+        origin = shared_origin(same_host=same_host)
+        assert before <= origin <= time.perf_counter()
+

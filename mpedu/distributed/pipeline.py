@@ -23,7 +23,6 @@ masks at its columns, so every layout gives the one-process numbers.
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,7 @@ from .group import mesh as make_mesh
 from .native import plan_schedule
 from .placement import check_tied_weights, rank_placement
 from .stages import FAIL_ENV, StageModule, TimedStage, out_width
-from .timing import Recorder, merge
+from .timing import Recorder, merge, shared_origin
 
 
 class DistributedPipeline:
@@ -113,8 +112,7 @@ class DistributedPipeline:
         self.dtype = next(model.parameters()).dtype
         if os.environ.get(FAIL_ENV) == str(self.rank):
             self.modules[self.local[0]].fail = True
-        dist.barrier()                                            # a common start for every rank's clock
-        self.recorder = Recorder(self.device, time.perf_counter())
+        self.recorder = Recorder(self.device, shared_origin())   # one time axis for every rank's row
         self.recorder.enabled = record
         self._cache: dict[tuple, tuple] = {}
         self._nll: list[torch.Tensor] = []

@@ -1,20 +1,50 @@
 """Every rank's actions in one step, gathered into one Timeline (mpedu.clock's Clock marks the times)."""
 from __future__ import annotations
 
+import socket
+import time
+
 import torch
+import torch.distributed as dist
 
 from ..clock import Clock
 from ..timeline import ALL_REDUCE, Event, Timeline
 
-__all__ = ["ALL_REDUCE", "Recorder", "merge"]
+__all__ = ["ALL_REDUCE", "Recorder", "merge", "shared_origin"]
+
+
+def shared_origin(rounds: int = 9, same_host: bool | None = None) -> float:
+    """This rank's `time.perf_counter()` reading of one moment common to every rank (a collective: all call it).
+
+    Times measured from it put every rank's rows on one axis. On one machine all processes read the
+    same monotonic clock, so rank 0's reading is everyone's: exact (a barrier's exit instead would be
+    off by how late each process was scheduled: milliseconds with 4 processes on 2 cores, enough to
+    draw a receiver computing before its input was sent). Across machines the clocks differ by an
+    unknown offset, estimated as the least (arrival - rank 0's sending time) over `rounds` broadcasts
+    of rank 0's clock: off by the quickest broadcast's latency. `same_host`: None asks the ranks.
+    """
+    if same_host is None:
+        hosts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        same_host = len(set(hosts)) == 1
+    if same_host:
+        origin = [time.perf_counter()]
+        dist.broadcast_object_list(origin, src=0)
+        return origin[0]
+    offsets = []
+    for _ in range(rounds):
+        dist.barrier()
+        sent = [time.perf_counter()]
+        dist.broadcast_object_list(sent, src=0)
+        offsets.append(time.perf_counter() - sent[0])
+    return sent[0] + (min(offsets) if dist.get_rank() else 0.0)   # rank 0's own reading is the origin
 
 
 class Recorder:
     """This rank's actions in one step, as (kind, stage, mb, start, end, bytes, peer).
 
-    Times are seconds since `t_base`, taken right after a barrier on every rank, so
-    rows of different ranks line up (to the barrier's skew, well under a millisecond
-    on one machine). On a GPU, marks are CUDA events, read after the step.
+    Times are seconds since `t_base`, one moment common to every rank (`shared_origin`), so
+    rows of different ranks line up. On a GPU, marks are CUDA events, read after the step.
     """
 
     def __init__(self, device: torch.device, t_base: float):
