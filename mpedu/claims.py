@@ -93,6 +93,7 @@ class Verdict:
     unit: str = "s"
     rounds: int = 1
     tolerance: float | None = None   # set by `within`: the ratio must lie within 1 +- tolerance
+    paired: bool = False             # the ratio is the median of each round's own ratio, not of the medians
 
     @property
     def status(self) -> str:
@@ -102,7 +103,9 @@ class Verdict:
         need = (f"within {self.tolerance:.0%} of 1" if self.tolerance is not None else f">= {self.margin:.2f}x")
         numbers = (f"{self.faster} {_fmt(self.faster_value, self.unit)} vs {self.slower} "
                    f"{_fmt(self.slower_value, self.unit)}: {self.ratio:.2f}x (needs {need}"
-                   + (f", medians of {self.rounds} rounds in turn)" if self.rounds > 1 else ")"))
+                   + (f"; times: medians of {self.rounds} rounds in turn, ratio: the median of each round's "
+                      "own, which the medians' ratio may not match)" if self.paired else
+                      f", medians of {self.rounds} rounds in turn)" if self.rounds > 1 else ")"))
         cores = "" if self.needs_cores <= 0 or self.cores is None else f"; free cores {self.cores:.2f}"
         if self.held is None:
             return (f"CANNOT SHOW NOW: {self.claim} (only {self.cores:.2f} free cores measured, needs "
@@ -152,7 +155,8 @@ def compare(claim: str, times: Mapping[str, float | Sequence[float]], faster: st
     Without cores, they are measured here (after the runs: better pass them).
     """
     a, b = _values(times, faster), _values(times, slower)
-    if len(a) == len(b) and len(a) > 1:
+    paired = len(a) == len(b) and len(a) > 1
+    if paired:
         pairs = [(y / x if smaller_wins else x / y) for x, y in zip(a, b)]
         ratio = statistics.median(pairs)
     else:
@@ -161,7 +165,7 @@ def compare(claim: str, times: Mapping[str, float | Sequence[float]], faster: st
     cores = _cores_now(cores, needs_cores)
     held = None if needs_cores > 0 and cores < needs_cores else ratio >= margin
     return Verdict(claim, held, faster, slower, statistics.median(a), statistics.median(b), ratio, margin,
-                   cores, needs_cores, unit, min(len(a), len(b)))
+                   cores, needs_cores, unit, min(len(a), len(b)), paired=paired)
 
 
 def within(claim: str, predicted: float, measured: float | Sequence[float], tolerance: float = 0.10,
