@@ -74,5 +74,8 @@ def time_bound(schedule, stage_costs, p, cores, recompute) -> float:
         trip = sum(c.forward + (c.backward_input if s in split else c.backward) for s, c in enumerate(stage_costs))
         bound = max(bound, m * trip / chunks + again * fwd[-1])     # and the recomputed forwards
     if cores is not None and cores < p:
-        bound = max(bound, sum(work) / cores)
+        # simulate runs a device alone at full speed whatever `cores` says (cores < 1 is two workers doing
+        # less than one between them, but never one worker slower than alone): the work needs at least
+        # sum / max(1, cores)
+        bound = max(bound, sum(work) / max(1.0, cores))
     return bound

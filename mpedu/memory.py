@@ -183,7 +183,9 @@ def _optimizer_bytes(optimizer):
         state = optimizer.state.get(p)
         if state:
             return sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+        group = next((g for g in optimizer.param_groups if any(q is p for q in g["params"])), None)
+        if group is None:           # a trainable weight the optimizer does not update (fine-tuning part of a model)
+            return 0
         key = id(group)
         if key not in probe_multiple:
             probe_multiple[key] = _probe(optimizer, group)

@@ -31,6 +31,7 @@ from .bounds import held_units, memory_floor, time_bound
 from .costcurve import CostCurve, profile_curve
 from .devices import device_list, format_size, parse_size
 from .footprint import check_mode, device_footprints
+from .options import check_number
 from .placement import Placement
 from .planplot import plot_plans
 from .profile import Costs, StageCost
@@ -163,7 +164,7 @@ class Plans:
         in turn per round so that drifting load falls on all alike; compare with the predictions.
         `rounds`: see mpedu.ranking.measure."""
         return measure(candidates if candidates is not None else self.top(top), model, batch, steps, warmup,
-                       rounds)
+                       rounds, link=self.simulate_args[0])
 
     def plot(self, ax=None, measured: Measurement | None = None):
         """Peak memory against step time: every simulated candidate (grey), the front (line), the best
@@ -183,7 +184,7 @@ def predict(candidate: Candidate, costs: CostCurve, T: int, B: int, link=None, c
 # -- the search --------------------------------------------------------------------------------------
 def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None = None, *,
          schedules: tuple[str, ...] = SCHEDULES, recompute: tuple = RECOMPUTE, micro_batches=None,
-         chunks: tuple[int, ...] = (2, 4), cores: float | None = None, link=None, should_stop=None,
+         chunks: tuple[int, ...] | None = None, cores: float | None = None, link=None, should_stop=None,
          optimizer_bytes_per_param: float = 0.0, **profile_args) -> Plans:
     """Search partitions, schedules, micro-batch counts and recomputation for `model` on `batch`
     over `devices` (a count or names), and return the Pareto front of step time against the
@@ -194,7 +195,7 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     widths are scaled in proportion); None profiles every width the search needs on the first
     device (slow for big models: profile once and pass it). micro_batches: the counts to try
     (default: every divisor of the batch width); chunks: the wavefront's time-chunk counts (those over
-    the batch's T are skipped). cores and link go to simulate. optimizer_bytes_per_param: optimizer state
+    the batch's T are skipped; default 2 and 4). cores and link go to simulate. optimizer_bytes_per_param: optimizer state
     per byte of trainable weights in every footprint (SGD 0, momentum 1, Adam 2).
     should_stop: a function of no arguments, asked before each candidate is simulated; when it
     returns true the search raises PlanStopped (a search in the background, cancelled because a
@@ -203,7 +204,8 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     T, B = batch.inputs.shape
     devs = device_list(devices)
     # one value where a tuple of choices goes: plan for that one
-    schedules, recompute, chunks = (_choices(v) for v in (schedules, recompute, chunks))
+    given_chunks = chunks is not None
+    schedules, recompute, chunks = (_choices(v) for v in (schedules, recompute, chunks if given_chunks else (2, 4)))
     micro_batches = _choices(micro_batches) if micro_batches is not None else None
     p = len(devs)
     names = list(model.layer_names)
@@ -228,10 +230,16 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     odd = [c for c in chunks if isinstance(c, bool) or not isinstance(c, int) or c < 1]
     if odd:
         raise ValueError(f"chunks={tuple(chunks)}: {odd[0]!r} is not a time-chunk count; give whole numbers >= 1")
-    if "wavefront" in schedules and not any(c <= T for c in chunks):
+    if "wavefront" in schedules and not any(c <= T for c in chunks) and (given_chunks or schedules == ("wavefront",)):
         raise ValueError(f"chunks={tuple(chunks)}: the wavefront needs a chunk count from 1 to the batch's "
                          f"{T} time steps; give such counts, or leave 'wavefront' out of schedules")
-    cap = parse_size(memory_cap) if isinstance(memory_cap, str) else memory_cap
+    if isinstance(memory_cap, dict):
+        raise ValueError("plan takes one memory_cap for every device (e.g. '60MB'); a cap per device is for "
+                         "Pipeline(memory_cap={device: size})")
+    cap = parse_size(memory_cap) if isinstance(memory_cap, str) else \
+        check_number("memory_cap", memory_cap, minimum=1, none_ok=True)
+    check_number("optimizer_bytes_per_param", optimizer_bytes_per_param)
+    check_number("cores", cores, above=True, none_ok=True)
     if costs is None:
         widths = [B // m for m in ms]
         lengths = [T // c for c in chunks if c <= T] if "wavefront" in schedules else []

@@ -39,20 +39,21 @@ class Measurement:
         return self.table()
 
 
-def measure(candidates, model, batch, steps: int = 3, warmup: int = 1, rounds=None) -> Measurement:
+def measure(candidates, model, batch, steps: int = 3, warmup: int = 1, rounds=None, link=None) -> Measurement:
     """Run `candidates` (planner Candidates) for real (median of `steps` steps after `warmup`), one step of
     each in turn per round, the order reversed every other round, so that drifting load falls on all
     alike; compare with their predictions.
 
     rounds: how to run the measured rounds, `rounds(one_round, steps)`, where `one_round(r)` runs round r
     and returns a function that forgets it (a benchmark waits for a quiet machine and runs again a round
-    that other work disturbed); None runs them one after another."""
+    that other work disturbed); None runs them one after another. link: the link the candidates were
+    predicted with (Plans.measure passes the plan's), which their Pipelines then emulate."""
     check_number("steps", steps, integer=True, minimum=1)
     check_number("warmup", warmup, integer=True)
     if len(candidates) < 2:
         raise ValueError(f"only {len(candidates)} candidate(s) to measure; a ranking needs two or more "
                          "(ask for top >= 2, raise the memory cap, or allow more schedules)")
-    pipes = [c.pipeline(model) for c in candidates]
+    pipes = [c.pipeline(model, **({} if link is None else {"link": link})) for c in candidates]
     times = [[] for _ in candidates]
 
     def one_round(r):

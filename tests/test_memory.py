@@ -54,10 +54,16 @@ def test_tied_weights_are_counted_once():
 
 @pytest.mark.parametrize("make,per_param", [
     (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), 1),   # a momentum buffer
+    (lambda m: torch.optim.Adam(m.layers["decode"].parameters()), None),    # fine-tuning the decoder alone
     (lambda m: torch.optim.Adam(m.parameters()), 2),                         # two moment estimates
 ])
 def test_optimizer_state_before_and_after_its_first_step(make, per_param):
     model, pipe, timeline, before = step("1f1b", optimizer=make)
+    if per_param is None:           # Adam's two moments of the decoder's weights, on the decoder's device alone
+        held = {d.device: d.optimizer for d in before.devices}
+        weights = sum(p.numel() * p.element_size() for p in model.layers["decode"].parameters())
+        assert sorted(held.values()) == [0, 2 * weights], held
+        return
     assert [d.optimizer for d in before.devices] == [per_param * d.params for d in before.devices]
     assert "has not stepped yet" in before.table()
     optimizer = make(model)

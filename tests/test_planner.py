@@ -30,7 +30,7 @@ def _all_simulated(model, batch, curve, p, cores=None):
     return out
 
 
-@pytest.mark.parametrize("p,cores", [(2, None), (3, None), (3, 1.5)])
+@pytest.mark.parametrize("p,cores", [(2, None), (3, None), (3, 1.5), (2, 0.5)])
 def test_bounds_hold_for_every_candidate(model, curve, p, cores):
     batch = make_batch(T=9, B=8)
     everything = _all_simulated(model, batch, curve, p, cores)
@@ -42,7 +42,7 @@ def test_bounds_hold_for_every_candidate(model, curve, p, cores):
             assert c.memory_floor == peak          # exact when nothing is recomputed
 
 
-@pytest.mark.parametrize("p,cores", [(2, None), (3, None), (3, 1.5)])
+@pytest.mark.parametrize("p,cores", [(2, None), (3, None), (3, 1.5), (2, 0.5)])   # 0.5: a loaded machine
 def test_the_pruned_front_is_the_front_of_all_candidates(model, curve, p, cores):
     batch = make_batch(T=9, B=8)
     plans = plan(model, batch, p, costs=curve, cores=cores)
@@ -128,6 +128,17 @@ def test_bad_arguments_are_explained(model, curve):
         plan(model, batch, 2, costs=curve, schedules="gpipe", recompute="all-but-last", micro_batches=1)
     with pytest.raises(ValueError, match="0 is not a time-chunk count"):
         plan(model, batch, 2, costs=curve, chunks=(0, 2))
+    for bad, words in ((dict(memory_cap={"vgpu:0": "1MB"}), "one memory_cap for every device"),
+                       (dict(memory_cap=0), "memory_cap=0: expected"), (dict(memory_cap=-5), "memory_cap=-5"),
+                       (dict(optimizer_bytes_per_param=-1), "optimizer_bytes_per_param=-1"),
+                       (dict(cores=0), "cores=0: expected")):
+        with pytest.raises(ValueError, match=words):
+            plan(model, batch, 2, costs=curve, **bad)
+    # the default chunk counts fit no one-step batch: the wavefront is left out, unless asked for alone or by count
+    one_step = make_batch(T=1, B=8)
+    assert all(c.schedule != "wavefront" for c in plan(model, one_step, 2, costs=curve).simulated)
+    with pytest.raises(ValueError, match="the wavefront needs a chunk count from 1 to the batch's 1 time steps"):
+        plan(model, one_step, 2, costs=curve, chunks=(2,))
 
 
 def test_optimizer_state_counts_in_every_footprint_and_floor(model, curve):

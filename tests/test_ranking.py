@@ -35,6 +35,19 @@ def test_measure_runs_the_top_candidates_for_real(model):
     assert all(p.grad is None for p in model.parameters())     # measuring leaves the model as it was
 
 
+def test_measured_plans_run_on_the_link_they_were_predicted_with(model, monkeypatch):
+    from mpedu.planner import Candidate
+    batch = make_batch(T=9, B=8)
+    costs = Costs.from_dict(fake_costs(model.layer_names, 9, 4).to_dict())
+    plans = plan(model, batch, 2, costs=costs, schedules=("gpipe",), link="10gbe")
+    built = []
+    real = Candidate.pipeline
+    monkeypatch.setattr(Candidate, "pipeline", lambda self, model, **kw: built.append(kw) or real(self, model, **kw))
+    plans.measure(model, batch, top=2, steps=1, warmup=0)
+    assert [kw.get("link") for kw in built] == ["10gbe", "10gbe"]
+    model.zero_grad(set_to_none=True)
+
+
 def test_measure_lets_the_caller_run_the_rounds_again(model):
     # a benchmark's round runner: run round 0 twice (the first "disturbed", so forgotten), then the rest
     batch = make_batch(T=9, B=8)
