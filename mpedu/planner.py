@@ -192,8 +192,8 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
 
     memory_cap: bytes (or "60MB") every device may hold; the fastest candidate within it is
     `Plans.best`. costs: a CostCurve (profile_curve) or one Costs (then other micro-batch
-    widths are scaled in proportion); None profiles every width the search needs on the first
-    device (slow for big models: profile once and pass it). micro_batches: the counts to try
+    widths' times are scaled in proportion, and their bytes weighed by a dry run); None profiles
+    every width the search needs on the first device (slow for big models: profile once and pass it). micro_batches: the counts to try
     (default: every divisor of the batch width); chunks: the wavefront's time-chunk counts (those over
     the batch's T are skipped; default 2 and 4). cores and link go to simulate. optimizer_bytes_per_param: optimizer state
     per byte of trainable weights in every footprint (SGD 0, momentum 1, Adam 2).
@@ -246,7 +246,12 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
         costs = profile_curve(model, batch, devs[0], widths=widths, lengths=lengths, length_widths=widths,
                               **profile_args)
         costs.weigh(model, search_shapes(T, B, ms, chunks if "wavefront" in schedules else ()), devs[0])
-    curve = costs if isinstance(costs, CostCurve) else CostCurve([costs], [])
+    if isinstance(costs, CostCurve):
+        curve = costs
+    else:       # times scale in proportion from one profile; bytes are weighed at every shape (a dry run, fast)
+        curve = CostCurve([costs], [])
+        if costs.names == names:
+            curve.weigh(model, search_shapes(T, B, ms, chunks if "wavefront" in schedules else ()), devs[0])
     if curve.names != names:
         raise ValueError(f"the costs cover layers {curve.names}, the model has {names}: profile this model")
 

@@ -242,3 +242,16 @@ def test_predict_again_reproduces_the_plan_and_follows_new_costs(model, curve):
     assert middle.at(9, 4).forward == pytest.approx(slower.at(9, 4).forward)
     with pytest.raises(ValueError, match="same shapes"):
         CostCurve.median([curve, CostCurve([fake_costs(model.layer_names, 9, 2)], [])])
+
+
+def test_one_profile_is_weighed_at_every_shape_the_search_meets():
+    # plan(costs=<one Costs>) scales times from it, but bytes grow in blocks: they are weighed at each
+    # micro-batch width and chunk length (wavefront c=4 with recomputation was 20% under before)
+    from mpedu.profile import profile
+    model, batch = tiny_model(dropout=0.2), make_batch(T=12, B=8)
+    costs = profile(model, batch, micro_batches=1, warmup=0, repeats=1)
+    plans = plan(model, batch, 2, costs=costs, schedules=("gpipe", "wavefront"), recompute=(None, "all"))
+    assert {c.schedule for c in plans.simulated} == {"gpipe", "wavefront"}
+    for c in plans.simulated:
+        with c.pipeline(model) as pipe:
+            assert list(c.device_bytes) == [f.total for f in pipe.memory_estimate(batch)], c.label
