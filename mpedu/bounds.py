@@ -22,20 +22,23 @@ def held_units(schedule: Schedule) -> list[list[list[tuple[int, int]]]]:
     return out
 
 
-def memory_floor(stage_costs, stage_devices, held, recompute, chunks, optimizer_bytes_per_param=0.0) -> int:
+def memory_floor(stage_costs, stage_devices, held, recompute, chunks, optimizer_bytes_per_param=0.0,
+                 smallest_chunk=None) -> int:
     """A cheap lower bound on the largest device's footprint (mpedu.footprint has the real count):
     weights, gradients, optimizer state, and the units held after each forward at the bytes they keep
-    (all of their activations, or with recomputation their input only). Without recomputation this is
-    the peak."""
-    def kept(c):
-        return (c.activation_bytes if recompute is None else min(c.input_bytes, c.activation_bytes)) / chunks
+    (all of their activations, or with recomputation their input only). Without recomputation, and
+    with time chunks of equal length, this is the peak. smallest_chunk: per stage, the StageCost of
+    its smallest time chunk (chunks of unequal lengths: every unit counted at that one's bytes)."""
+    def kept(s):
+        c, share = (stage_costs[s], chunks) if smallest_chunk is None else (smallest_chunk[s], 1)
+        return (c.activation_bytes if recompute is None else min(c.input_bytes, c.activation_bytes)) / share
 
     worst = 0.0
     for d, vectors in enumerate(held):
         trains = sum(c.trainable_bytes for s, c in enumerate(stage_costs) if stage_devices[s] == d)
         fixed = (sum(c.param_bytes for s, c in enumerate(stage_costs) if stage_devices[s] == d) + trains
                  + int(optimizer_bytes_per_param * trains))
-        act = max((sum(units * kept(stage_costs[s]) for s, units in v) for v in vectors), default=0.0)
+        act = max((sum(units * kept(s) for s, units in v) for v in vectors), default=0.0)
         worst = max(worst, fixed + act)
     return int(worst)
 

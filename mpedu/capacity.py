@@ -71,19 +71,20 @@ def whole_sequence(chunk_sizes: list[Costs]) -> Costs:
                                                              first.micro_batch[1]))
 
 
-def check_memory(footprints: list[Footprint], sizes: Costs, placement: Placement, schedule: Schedule,
+def check_memory(footprints: list[Footprint], chunk_sizes: list[Costs], placement: Placement, schedule: Schedule,
                  recompute, caps: dict, shape: tuple[int, int]) -> None:
-    """Raise MemoryCapError when a device's footprint is over its cap, naming a placement that fits."""
+    """Raise MemoryCapError when a device's footprint is over its cap, naming a placement that fits.
+    chunk_sizes: layer_sizes' Costs of one micro-batch, one per time chunk."""
     over = [n for n in footprints if not n.fits]
     if not over:
         return
     T, B = shape
     m, chunks = schedule.micro_batches, schedule.chunks
-    what = (f"a training step on batches of T={T}, B={B} ({schedule.name}, {m} micro-batches"
+    what = (f"a training step on batches of T={T}, B={B} ({schedule.name}, {m} micro-batch{'es' if m != 1 else ''}"
             + (f", {chunks} time chunks" if chunks > 1 else "") + ")")
     lines = [f"{n.device} needs {format_size(n.total)} for {what}: {n.parts()}; more than its memory_cap "
              f"{format_size(n.cap)}." + gpu_measured(n.device) for n in over]
-    raise MemoryCapError(" ".join(lines) + " " + _what_fits(sizes, placement, schedule, recompute, caps))
+    raise MemoryCapError(" ".join(lines) + " " + _what_fits(chunk_sizes, placement, schedule, recompute, caps))
 
 
 def gpu_measured(device: str) -> str:
@@ -95,8 +96,9 @@ def gpu_measured(device: str) -> str:
 
 
 
-def _what_fits(sizes: Costs, placement: Placement, schedule: Schedule, recompute, caps: dict) -> str:
+def _what_fits(chunk_sizes: list[Costs], placement: Placement, schedule: Schedule, recompute, caps: dict) -> str:
     """A placement that fits the caps (over these devices, else over more), or why none does."""
+    sizes = whole_sequence(chunk_sizes)
     names, devices_now = sizes.names, placement.devices
     p, n = len(devices_now), len(names)
     m, chunks = schedule.micro_batches, schedule.chunks
@@ -105,7 +107,10 @@ def _what_fits(sizes: Costs, placement: Placement, schedule: Schedule, recompute
     mode = modes[0] if len(set(modes)) == 1 else None      # a per-stage choice does not carry over to new stages
 
     def need(i, j, device, k, rows) -> Footprint:     # layers i..j-1 as stage k, running rows[k]
-        return stage_footprint(sizes.stages([names[i:j]])[0], rows[k], k, mode, m, chunks, split, device.name)
+        layers = [names[i:j]]
+        each = [c.stages(layers)[0] for c in chunk_sizes] if chunks > 1 else None   # each chunk its own bytes
+        return stage_footprint(sizes.stages(layers)[0], rows[k], k, mode, m, chunks, split, device.name,
+                               per_chunk=each)
 
     rows, split = _rows_per_stage(schedule, p)
     for q in range(p, n + 1):

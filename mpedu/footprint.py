@@ -202,11 +202,14 @@ def device_footprints(costs, placement, schedule, recompute=None, optimizer_byte
 
 
 def stage_footprint(stage_cost, row, stage: int, mode: str | None, micro_batches: int, chunks: int = 1,
-                    split=(), device: str = "", optimizer_bytes_per_param: float = 0.0) -> Footprint:
+                    split=(), device: str = "", optimizer_bytes_per_param: float = 0.0,
+                    per_chunk=None) -> Footprint:
     """The Footprint of one stage alone on a device that runs `row` (its actions, as stage `stage` of a
-    schedule): for partitioners that try a stage's layers before a placement exists."""
+    schedule): for partitioners that try a stage's layers before a placement exists. per_chunk: the
+    stage's StageCost on each time chunk alone (chunks of unequal lengths hold unequal bytes)."""
     modes = {stage: mode}
-    peak, units = peak_held(row, unit_bytes({stage: stage_cost}, modes, micro_batches, chunks), split)
+    each = None if per_chunk is None else [{stage: c} for c in per_chunk]
+    peak, units = peak_held(row, unit_bytes({stage: stage_cost}, modes, micro_batches, chunks, each), split)
     return Footprint(device, stage_cost.param_bytes, stage_cost.trainable_bytes,
                      int(round(optimizer_bytes_per_param * stage_cost.trainable_bytes)), int(round(peak)), units)
 

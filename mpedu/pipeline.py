@@ -290,7 +290,7 @@ class Pipeline:
         plan = self._plan(batch)
         if train and self.memory_cap and not plan.memory_checked:
             # before the step: nothing has run yet
-            capacity.check_memory(self.memory_estimate(batch), capacity.whole_sequence(plan.sizes), self.placement,
+            capacity.check_memory(self.memory_estimate(batch), plan.sizes, self.placement,
                                   self.schedule, self.recompute, self.memory_cap, (plan.T, plan.B))
             plan.memory_checked = True
         plan.steps += 1

@@ -328,6 +328,7 @@ class _Option:
     memory_floor: int               # <= the footprint model's peak (exact without recomputation)
     bound: float                    # <= the simulated step time
     optimizer: float = 0.0          # optimizer state per byte of trainable weights
+    chunk_costs: list | None = None  # time chunks of unequal lengths: each chunk's own Costs
 
 
 def _compositions(n: int, k: int):
@@ -355,26 +356,34 @@ def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options,
             for chunks in chunk_list:
                 costs = curve.at(T, B // m, chunks)             # with time chunks: what one chunk costs
                 stage_cache = shapes.setdefault(("stages", m, chunks), {})
+                # T not a multiple of the chunk count: chunks of two lengths, each holding its own bytes
+                lengths = [hi - lo for lo, hi in chunk_bounds(T, chunks)]
+                by_length = {L: curve.at(L, B // m) for L in set(lengths)} if len(set(lengths)) > 1 else None
+                per_chunk = [by_length[L] for L in lengths] if by_length else None
                 for stage_devices, counts in pool:
                     key = (name, tuple(stage_devices), m, chunks)
                     if key not in shapes:
                         sched = make_schedule(name, stage_devices, m, chunks)
                         shapes[key] = (sched, held_units(sched))
                     sched, held = shapes[key]
-                    groups, stage_costs, at = [], [], 0
+                    groups, stage_costs, smallest, at = [], [], [], 0
                     for c in counts:
                         groups.append(names[at:at + c])
                         if (at, c) not in stage_cache:          # a run of layers costs the same in every plan
-                            stage_cache[at, c] = costs.stages([groups[-1]])[0]
-                        stage_costs.append(stage_cache[at, c])
+                            stage_cache[at, c] = (costs.stages([groups[-1]])[0], by_length and min(
+                                (each.stages([groups[-1]])[0] for each in by_length.values()),
+                                key=lambda sc: sc.activation_bytes))
+                        stage_costs.append(stage_cache[at, c][0])
+                        smallest.append(stage_cache[at, c][1])
                         at += c
                     placement = Placement(names, {nm: devs[d] for d, g in zip(stage_devices, groups) for nm in g})
                     for rc in recompute:
                         if rc == "all-but-last" and m == 1:
                             continue                    # its one micro-batch is the last: the same as None
                         yield _Option(placement, sched, m, chunks, rc, costs, stage_costs,
-                                      memory_floor(stage_costs, stage_devices, held, rc, chunks, optimizer),
-                                      time_bound(sched, stage_costs, p, cores, rc), optimizer)
+                                      memory_floor(stage_costs, stage_devices, held, rc, chunks, optimizer,
+                                                   smallest if per_chunk else None),
+                                      time_bound(sched, stage_costs, p, cores, rc), optimizer, per_chunk)
 
 
 def _why_none(schedules, recompute, ms, p: int, n: int) -> str:
@@ -400,7 +409,8 @@ def _footprint(option: _Option) -> tuple[int, ...]:
     """Peak bytes per device, from the one memory model."""
     return tuple(f.total for f in device_footprints(option.costs, option.placement, option.schedule_obj,
                                                     recompute=option.recompute,
-                                                    optimizer_bytes_per_param=option.optimizer))
+                                                    optimizer_bytes_per_param=option.optimizer,
+                                                    chunk_costs=option.chunk_costs))
 
 
 def _predict(option: _Option, link, cores, cap, totals=None) -> Candidate:

@@ -1,5 +1,6 @@
 """Memory caps: the estimate against the measured peak, a cap refused before the step, what fits."""
 import math
+import re
 
 import pytest
 
@@ -75,6 +76,32 @@ def test_an_interleaved_step_over_its_cap_names_a_placement_that_runs():
     with Pipeline(tiny_model(), fits, "1f1b", micro_batches=4, memory_cap="1.14MB") as pipe:
         assert all(n.fits for n in pipe.memory_estimate(batch))
         assert math.isfinite(pipe.train_step(batch).loss)
+
+
+@pytest.mark.parametrize("m,chunks", [(2, 3), (1, 4)])
+def test_a_refusal_with_chunks_of_two_lengths_names_a_placement_that_fits(m, chunks):
+    # T=10 in 3 or 4 time chunks: chunks of 4 and 3, or 3 and 2 steps. A recomputing stage rebuilds one chunk at
+    # a time, the longest the most: sized as an average chunk, a placement was named that the cap then refused
+    batch, layout = make_batch(T=10, B=8), "embed,lstm0-1:vgpu0 | lstm2,decode:vgpu1"
+    named = 0
+    for recompute in (None, "all", "all-but-last"):
+        with Pipeline(tiny_model(), layout, "wavefront", micro_batches=m, chunks=chunks, recompute=recompute) as pipe:
+            need = max(f.total for f in pipe.memory_estimate(batch))
+        for share in (0.97, 0.9, 0.8, 0.7):
+            cap = int(need * share)
+            with Pipeline(tiny_model(), layout, "wavefront", micro_batches=m, chunks=chunks, recompute=recompute,
+                          memory_cap=cap) as pipe:
+                with pytest.raises(MemoryCapError) as err:
+                    pipe.train_step(batch)
+            named_here = re.search(r"(A placement that fits|one does)[^:']*: '([^']+)'", str(err.value))
+            if not named_here:
+                continue
+            fits = named_here.group(2)
+            with Pipeline(tiny_model(), fits, "wavefront", micro_batches=m, chunks=chunks, recompute=recompute,
+                          memory_cap=cap) as pipe:
+                assert all(n.fits for n in pipe.memory_estimate(batch)), (recompute, share, fits)
+            named += 1
+    assert named >= 3
 
 
 def test_memory_cap_from_the_command_line(capsys, tmp_path):
