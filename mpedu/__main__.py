@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -319,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(join_dash_values(parser, argv) or ["train"])
     if args.command == "train" and args.devices is None and args.placement is None:
         args.devices = 2                # --devices's default (see build_parser)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if args.command == "train" and world.isdigit() and int(world) > 1:
+        # under torchrun each process would train the whole model on its own, in the same --out
+        return _error(f"python -m mpedu train runs the whole pipeline in this one process, but torchrun started "
+                      f"{world} of them; for a pipeline across them use "
+                      f"torchrun ... -m mpedu.distributed train")
     try:
         return run_corpus(args) if args.command == "corpus" else run_train(args)
     except KeyboardInterrupt:           # before training started (a Ctrl-C during it is answered in _train_in)

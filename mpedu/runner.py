@@ -19,6 +19,9 @@ class StepResult:
     nll_sum: float
     tokens: int
     timeline: object | None = None
+    # False: some gradient of the model is not finite, perhaps on another process (a rank whose layers are
+    # all frozen has no gradient to see it in), so no process may step
+    finite: bool = True
 
 
 @runtime_checkable

@@ -92,10 +92,13 @@ def step(runner, optimizer, batch, *, clip: float | None = CLIP) -> tuple[StepRe
     params = [p for group in optimizer.param_groups for p in group["params"]]
     optimizer.zero_grad(set_to_none=True)
     result = runner.train_step(fitted(runner, batch))
-    if not (math.isfinite(result.loss) and all_finite([p.grad for p in params if p.grad is not None])):
+    if not (result.finite and math.isfinite(result.loss)
+            and all_finite([p.grad for p in params if p.grad is not None])):
         return result, False
     if clip:
-        torch.nn.utils.clip_grad_norm_(params, clip)
+        # a runner holding part of the model (a torchrun rank) clips over every rank's gradients
+        over_all = getattr(runner, "clip_grad_norm", None)
+        over_all(clip) if over_all is not None else torch.nn.utils.clip_grad_norm_(params, clip)
     optimizer.step()
     return result, True
 

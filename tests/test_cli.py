@@ -458,3 +458,16 @@ def test_random_argv_exits_0_or_2_with_a_message_never_a_traceback(capsys, monke
     assert "Traceback" not in err
     if code == 2:
         assert "error:" in err, (argv, err)
+
+
+def test_under_torchrun_the_one_process_command_points_to_the_distributed_one(monkeypatch, capsys, tmp_path):
+    # torchrun -m mpedu train: every process trained the whole model on its own, the second then failing on
+    # the first's --out lock; now each says which command runs a pipeline across the processes
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["train", "--out", str(tmp_path), "--limit-batches", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun started 2 of them" in err and "-m mpedu.distributed train" in err
+    assert not any(tmp_path.iterdir())                                   # nothing written
+    monkeypatch.setenv("WORLD_SIZE", "1")                                # one process: trains as ever
+    assert cli.main(["train", "--out", str(tmp_path), "--limit-batches", "1", "--epochs", "1",
+                     "--no-progress"]) == 0

@@ -22,9 +22,9 @@ from mpedu.model import LSTMLM, LMConfig, nll_sum
 
 ROOT = Path(__file__).resolve().parents[1]
 
-HAND = """# a learner's own order for 2 devices and 4 micro-batches: stage 1 answers each forward at once
-0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
-1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+HAND = """# a learner's own order for 2 devices and 4 micro-batches: stage 1 takes micro-batch 1 before 0
+0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3
+1F1 1F0 1B0 1F2 1B1 1F3 1B2 1B3
 """
 
 
@@ -154,7 +154,8 @@ def test_gpipe_1f1b_and_a_hand_written_schedule_give_the_loss_and_gradients_of_o
             done = {(e["kind"], e["mb"]) for e in events if e["device"] == f"rank:{rank}" and e["stage"] == rank
                     and e["kind"] in "FB"}
             assert done == {(k, i) for k in "FB" for i in range(4)}
-    # the hand-written order ran as written: rank 1 answers each forward at once
+    # the hand-written order ran as written (torch's runtime read its losses back by position: backward 0
+    # started from micro-batch 1's loss, and rank 0's gradients were 40-57% off)
     events = json.loads((tmp_path / "check-mine.timeline.json").read_text())["events"]
     rank1 = [f"{e['stage']}{e['kind']}{e['mb']}" for e in sorted(events, key=lambda e: e["start"])
              if e["device"] == "rank:1" and e["kind"] in "FB"]
@@ -215,8 +216,10 @@ torch.manual_seed(0)
 model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
 CASE = "CASE_HERE"
 pipe = DistributedPipeline(model, "embed,lstm0:a | lstm1,decode:b", "gpipe", 2, width=16,
-                           clip=0.25 if CASE == "weight" else None)
-if dist.get_rank() == 1:
+                           clip=None if CASE == "gradient" else 0.25)
+if CASE == "clipped" and dist.get_rank() == 0:     # rank 0's gradient overflows, then the clip spreads it
+    model.layers["lstm0"].lstm.weight_hh_l0.register_hook(lambda g: g * float("inf"))
+if CASE != "clipped" and dist.get_rank() == 1:
     weight = model.layers["lstm1"].lstm.weight_hh_l0
     if CASE == "weight":
         with torch.no_grad():
@@ -240,18 +243,59 @@ def _run_script(tmp_path, text: str):
 
 
 @needs_gloo
-@pytest.mark.parametrize("case", ["weight", "gradient"])
+@pytest.mark.parametrize("case", ["weight", "gradient", "clipped"])
 def test_every_rank_names_the_layer_a_nan_came_from(tmp_path, case):
     """A NaN weight in lstm1 on rank 1: rank 0 looked at its own stale copy of lstm1 and blamed lstm0's gradient
     (the clip had spread the NaN there); now each rank searches its own layers and all name the same one. A
     gradient that overflows on rank 1 alone (the loss finite, no clip) fails the step on rank 0 too, which
-    would otherwise step on and wait for rank 1."""
+    would otherwise step on and wait for rank 1. One that overflows on rank 0 under the clip: rank 1 blamed
+    its own decode, into which the clip's all-reduce had spread the NaN."""
     proc = _run_script(tmp_path, NAN_WEIGHT.replace("CASE_HERE", case))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     what = "its weight (\\S+) holds 1 nan" if case == "weight" else "the gradient of (\\S+) holds"
     found = sorted(re.findall(r"rank (\d) fault (\w+) stage \d: .*?First non-finite: layer \w+ \(stage \d on "
                               r"rank:\d\): " + what, proc.stdout))
-    assert found == [("0", "lstm1", "lstm.weight_hh_l0"), ("1", "lstm1", "lstm.weight_hh_l0")], proc.stdout
+    if case == "clipped":        # the overflow reaches the layer's other weights in the same backward
+        found = [(rank, layer, "lstm.weight_hh_l0") for rank, layer, _ in found]
+    layer = "lstm0" if case == "clipped" else "lstm1"
+    assert found == [("0", layer, "lstm.weight_hh_l0"), ("1", layer, "lstm.weight_hh_l0")], proc.stdout
+    if case == "clipped":
+        assert "the clip (now 0.25)" in proc.stdout, proc.stdout
+
+
+FROZEN_RANK = """
+import torch, torch.distributed as dist
+from mpedu.distributed import DistributedPipeline, setup
+from mpedu.data import load_corpus
+from mpedu.model import LSTMLM
+from mpedu.training import train
+setup("gloo", timeout=60)
+corpus = load_corpus()
+torch.manual_seed(0)
+model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
+for name in ("embed", "lstm0"):                    # rank 0 holds no gradient at all
+    model.layers[name].requires_grad_(False)
+pipe = DistributedPipeline(model, "embed,lstm0:a | lstm1,decode:b", "gpipe", 4, width=32)
+if dist.get_rank() == 1:                           # lstm1's gradient overflows in the first step only
+    calls = []
+    model.layers["lstm1"].lstm.weight_hh_l0.register_hook(lambda g: calls.append(1) or (g * float("inf")
+                                                                                       if len(calls) == 1 else g))
+history = train(model, corpus, runner=pipe, epochs=1, batch_size=32, limit_batches=3, progress=False,
+                skip_bad_batches=True, log=lambda *a: None)
+print(f"rank {dist.get_rank()} skipped {history.summary()['skipped_batches']}", flush=True)
+pipe.close()
+dist.destroy_process_group()
+"""
+
+
+@needs_gloo
+def test_a_rank_without_gradients_skips_the_batch_the_others_cannot_step_on(tmp_path):
+    """Rank 0's layers are all frozen, so it holds no gradient in which another rank's NaN could show: it stepped
+    on while rank 1 skipped, and both waited for each other until the timeout. The step's result now says
+    whether every rank's gradients were finite."""
+    proc = _run_script(tmp_path, FROZEN_RANK)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(re.findall(r"rank (\d) skipped (\d)", proc.stdout)) == [("0", "1"), ("1", "1")], proc.stdout
 
 
 SKIP_ONE = """
@@ -395,3 +439,49 @@ def test_two_replicas_train_as_one_process_on_the_whole_batch(tmp_path):
                       and e["mb"] == send["mb"]]
         assert consumer["start"] >= send["start"], (send, consumer)
     assert (tmp_path / "last_step.png").stat().st_size > 0
+
+
+CLIP_AND_FROZEN = """
+import torch, torch.distributed as dist
+from mpedu.distributed import DistributedPipeline, setup
+from mpedu.data import load_corpus
+from mpedu.model import LSTMLM
+from mpedu.training import train
+setup("gloo")
+corpus = load_corpus()
+FROZEN = dist.get_world_size() == 4          # 2 replicas x 2 stages, stage 0 frozen: no gradient to all-reduce
+def build():
+    torch.manual_seed(0)
+    model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
+    for name in ("embed", "lstm0") if FROZEN else ():
+        model.layers[name].requires_grad_(False)
+    return model
+quiet = dict(epochs=1, batch_size=32, limit_batches=2, progress=False, log=lambda *a: None, clip=0.01)
+model = build()
+pipe = DistributedPipeline(model, "embed,lstm0:a | lstm1,decode:b", "gpipe", 4, width=32,
+                           pipeline_devices=2)   # no clip here: train's clip=0.01 goes over both ranks
+train(model, corpus, runner=pipe, **quiet)
+state = pipe.gather_state_dict()
+if dist.get_rank() == 0:
+    reference = build()
+    train(reference, corpus, **quiet)
+    worst = max(float((state[k] - v).abs().max()) for k, v in reference.state_dict().items())
+    print(f"worst {worst:.3g}", flush=True)
+pipe.close()
+dist.destroy_process_group()
+"""
+
+
+@needs_gloo
+@pytest.mark.parametrize("processes", [2, 4])
+def test_train_clips_over_every_rank_and_a_frozen_stage_needs_no_all_reduce(tmp_path, processes):
+    """train(..., clip=0.01, runner=pipe) clipped each rank's own layers by their own norm (weights 0.08 off one
+    process); it clips over all ranks now. With 2 replicas of a pipeline whose first stage is frozen, that
+    stage's ranks have no gradient to all-reduce (torch.cat of nothing failed)."""
+    script = tmp_path / "script.py"
+    script.write_text(CLIP_AND_FROZEN)
+    proc, _ = torchrun(script=script, processes=processes, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    worst = float(re.search(r"worst (\S+)", proc.stdout).group(1))
+    assert worst < 1e-5, proc.stdout
+

@@ -20,10 +20,10 @@ def test_every_rank_of_a_node_chooses_the_same_backend(processes, gpus, expected
 
 
 def test_nccl_with_more_processes_than_gpus_says_what_to_do():
-    with pytest.raises(RuntimeError, match=r"started 2 processes on this node and it has 1 GPU\(s\): start at "
+    with pytest.raises(ValueError, match=r"started 2 processes on this node and it has 1 GPU\(s\): start at "
                                            r"most 1 per node \(--nproc-per-node\) or use --backend gloo"):
         choose_backend("nccl", 2, 1)
-    with pytest.raises(RuntimeError, match=r"has 0 GPU\(s\): use --backend gloo"):
+    with pytest.raises(ValueError, match=r"has 0 GPU\(s\): use --backend gloo"):
         choose_backend("nccl", 1, 0)
 
 
@@ -32,3 +32,26 @@ def test_the_runner_needs_a_process_group():
         pytest.skip("a process group is already up in this process")
     with pytest.raises(RuntimeError, match="torchrun"):
         DistributedPipeline(tiny_model(), None, "gpipe", 2)
+
+
+def test_a_worker_ends_with_its_torchrun_only(monkeypatch, capsys):
+    # a process whose parent is PID 1 ended itself without a word, torchrun or not (tini, docker --init, a
+    # scheduler that sets RANK itself); now only a torchrun worker (TORCHELASTIC_RUN_ID) orphaned says so and ends
+    import os
+    import sys
+    from mpedu.distributed import group
+    if sys.platform != "linux":
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    killed = []
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append(sig))
+    monkeypatch.setattr(group.Path, "read_bytes", lambda self: b"/sbin/init")
+    import ctypes
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: type("libc", (), {"prctl": staticmethod(lambda *a: 0)})())
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    group._end_with_the_launcher()
+    assert killed == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "1")
+    group._end_with_the_launcher()
+    assert len(killed) == 1 and "rank 1: the torchrun that started this process has gone" in capsys.readouterr().err

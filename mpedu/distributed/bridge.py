@@ -138,3 +138,12 @@ class ActionListSchedule(RUNTIME):
         self.pipeline_order = order
         # the runtime's lowering pass: checks the order, maps stage -> rank, adds sends and receives
         self._prepare_schedule_with_comms({d: list(row) for d, row in order.items()})
+
+    def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
+        # torch keeps the last stage's losses in the order its forwards ran and reads them back by
+        # micro-batch index: right for its own schedules, but a valid order of ours whose last stage takes
+        # micro-batch 1 before 0 would start backward 0 from micro-batch 1's loss. Kept by index instead.
+        if stage.is_last and self._loss_fn is not None:
+            losses = self._internal_losses
+            losses.extend([None] * (mb_index + 1 - len(losses)))
+            losses[mb_index] = self._compute_loss(output, target_mbs[mb_index], loss_kwargs)

@@ -65,14 +65,14 @@ def _train(args, rank, world, device, say, recipe, p, out) -> int:
     stage_ranks = rank_placement(model, args.placement, p).stage_devices
     schedule = schedule_arg(args.schedule, stage_ranks, args.micro_batches)
     pipe = DistributedPipeline(model, args.placement, schedule, args.micro_batches, device=device,
-                               clip=args.clip or None, width=args.batch_size, pipeline_devices=p,
-                               runtime=args.runtime)
+                               width=args.batch_size, pipeline_devices=p, runtime=args.runtime)
     replicas = f"{pipe.replicas} replicas x " if pipe.replicas > 1 else ""
     say(f"mpedu.distributed train: {args.config} model on {corpus.name} ({len(corpus.vocab):,} words); "
         f"{world} processes ({dist.get_backend()}, {device.type}) = {replicas}a {p}-rank pipeline; placement "
         f"{pipe.placement}; schedule {pipe.schedule} -> {pipe.torch_schedule}, {args.micro_batches} micro-batches")
     history = fit(
-        model, corpus, runner=pipe, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, clip=None,
+        model, corpus, runner=pipe, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        clip=args.clip or None,             # over every rank's gradients (DistributedPipeline.clip_grad_norm)
         seed=args.seed, out=None, limit_batches=args.limit_batches, log=say, lr_decay=recipe.decay,
         skip_bad_batches=args.skip_bad_batches,
         progress=rank == 0 and not args.no_progress and sys.stderr.isatty())

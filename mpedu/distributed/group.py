@@ -54,7 +54,9 @@ def _end_with_the_launcher() -> None:
     """Linux: have the kernel end this worker when the process that started it (torchrun's agent) dies.
     Before the process group is up no heartbeat runs, and a worker waiting for the rendezvous store of a
     launcher killed meanwhile would wait the whole --timeout."""
-    if sys.platform != "linux":
+    # only under torchrun (its agent sets TORCHELASTIC_RUN_ID): a process a scheduler started with RANK and
+    # WORLD_SIZE of its own may well have PID 1 (tini, docker --init, a shell) as its parent
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -62,6 +64,8 @@ def _end_with_the_launcher() -> None:
         # the launcher may have died before that line (starting Python and torch takes seconds): this process
         # was then handed to init, which is no launcher (unless torchrun is itself PID 1, in a container)
         if os.getppid() == 1 and b"torch" not in Path("/proc/1/cmdline").read_bytes():
+            print(f"mpedu: rank {os.environ.get('RANK')}: the torchrun that started this process has gone; "
+                  "ending it", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -86,7 +90,7 @@ def choose_backend(backend: str, local_world: int, gpus: int) -> str:
         return "nccl" if 0 < local_world <= gpus else "gloo"
     if backend == "nccl" and local_world > gpus:
         fewer = f"start at most {gpus} per node (--nproc-per-node) or " if gpus else ""
-        raise RuntimeError(f"--backend nccl gives each process its own GPU, but torchrun started {local_world} "
+        raise ValueError(f"--backend nccl gives each process its own GPU, but torchrun started {local_world} "
                            f"processes on this node and it has {gpus} GPU(s): {fewer}use --backend gloo")
     return backend
 

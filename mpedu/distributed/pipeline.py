@@ -48,8 +48,9 @@ class DistributedPipeline:
     Call in every rank, after init_process_group, with the same model (same seed),
     placement and schedule; every rank then calls train_step/eval_step on the same
     batches in the same order. It is a Runner (mpedu.runner), so
-    `mpedu.train(model, corpus, runner=pipe, clip=None, ...)` trains with it; give the
-    clip here, it needs all ranks' gradients.
+    `mpedu.train(model, corpus, runner=pipe, ...)` trains with it: train's clip goes through
+    `clip_grad_norm`, over all ranks' gradients. clip= here clips inside every train_step instead
+    (for a loop of your own).
 
     schedule: a name (built by mpedu.schedules.make) or any Schedule that validates, e.g.
     one written by hand; its action lists run as they are (mpedu.distributed.bridge).
@@ -174,9 +175,10 @@ class DistributedPipeline:
             self._key = None
         self.dropout_step += 1
         if self.mesh.replicas > 1:
+            self._note_bad_layers()          # the all-reduce spreads a NaN to the other replicas' layers
             self._all_reduce_grads()
         if self.clip:
-            self._clip_grad_norm(self.clip)
+            self.clip_grad_norm(self.clip)
         events = self.recorder.events() if self.recorder.enabled else []
         nll = float(sum(t.double().item() for t in self._nll)) if self.rank == self.last_rank else None
         finite = all_finite([p.grad for p in self.params if p.grad is not None])
@@ -185,7 +187,8 @@ class DistributedPipeline:
         gathered = [None] * self.world
         dist.all_gather_object(gathered, (nll, events, finite))   # the loss lives on the last ranks; events on each
         nll = sum(part[0] for part in gathered if part[0] is not None)
-        if finite and not all(part[2] for part in gathered):
+        everywhere = all(part[2] for part in gathered)
+        if finite and not everywhere:
             # another rank's gradients are not finite: the step must fail here too, or this rank would step
             # on while that one stops, and wait for it until --timeout
             for p in self.params:
@@ -196,7 +199,7 @@ class DistributedPipeline:
         if self.recorder.enabled:
             timeline = merge([part[1] for part in gathered], self.devices)
             self.last_timeline = timeline
-        return StepResult(loss=nll / tokens, nll_sum=nll, tokens=tokens, timeline=timeline)
+        return StepResult(loss=nll / tokens, nll_sum=nll, tokens=tokens, timeline=timeline, finite=everywhere)
 
     @torch.no_grad()
     def eval_step(self, batch) -> StepResult:
@@ -302,6 +305,8 @@ class DistributedPipeline:
 
     def _all_reduce_grads(self) -> None:
         """Sum this rank's gradients over the replicas (one flat buffer, one all-reduce), recorded in the timeline."""
+        if not self.params:      # every layer here is frozen, on every replica of this stage: nothing to sum
+            return
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -315,21 +320,27 @@ class DistributedPipeline:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()
 
-    def _clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> float:
         """clip_grad_norm_ over the whole model: each rank of a pipeline holds some gradients, so sum the squares
-        over the pipeline (after the all-reduce every replica holds the same gradients)."""
+        over the pipeline (after the all-reduce every replica holds the same gradients). A collective: every
+        rank calls it. Returns the norm before clipping."""
         grads = [p.grad for p in self.params if p.grad is not None]
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
             local += torch.linalg.vector_norm(g).float() ** 2
-        if not torch.isfinite(local):      # the clip is about to spread it to every layer: note where it was
-            self.bad_before_clip = self._bad_layers()
+        self._note_bad_layers()            # the clip is about to spread a NaN to every layer: note where it was
         dist.all_reduce(local, group=self.mesh.pp)
         total = local.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)   # as torch.nn.utils.clip_grad_norm_
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return total.item()
+
+    def _note_bad_layers(self) -> None:
+        """Before a collective that mixes gradients: this rank's non-finite layers ([] when none), unless
+        noted already (the first collective saw them as they came out of the backward)."""
+        if self.bad_before_clip is None:
+            self.bad_before_clip = self._bad_layers()
 
     def _bad_layers(self) -> list[str]:
         """This rank's layers whose gradients hold a NaN or inf."""
