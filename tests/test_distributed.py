@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mpedu.files import LOCK_NAME
 from mpedu.distributed import FAIL_ENV
 from mpedu.distributed.cli import build_parser, pipeline_devices
 from mpedu.distributed.commands import compare
@@ -484,4 +485,33 @@ def test_train_clips_over_every_rank_and_a_frozen_stage_needs_no_all_reduce(tmp_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     worst = float(re.search(r"worst (\S+)", proc.stdout).group(1))
     assert worst < 1e-5, proc.stdout
+
+
+DIFFERENT = """
+import os, sys
+from mpedu.distributed import cli
+argv = ["train", "--limit-batches", "2", "--epochs", "1", "--no-progress", "--out", sys.argv[1]]
+sys.exit(cli.main(argv + (["--lr", "0.001"] if os.environ["RANK"] == "1" else [])))
+"""
+
+
+@needs_gloo
+def test_ranks_started_with_different_options_are_refused_before_training(tmp_path):
+    """Each machine types its own command: rank 1's --lr 0.001 trained silently with it while rank 0 reported
+    10 (a different --seed broke a collective with a C++ abort). Every rank now compares, and all refuse."""
+    script = tmp_path / "different.py"
+    script.write_text(DIFFERENT)
+    proc, _ = torchrun(str(tmp_path / "out"), script=script)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert (f"error (rank {rank}): the ranks were started with different --lr (rank 0: 10.0; rank 1: 0.001)"
+                in proc.stderr), proc.stderr
+    assert not (tmp_path / "out" / "model.pt").exists()
+    # a folder holding a one-process run's checkpoint: that run's --resume would overwrite this job's model.pt
+    (tmp_path / "single").mkdir()
+    (tmp_path / "single" / "checkpoint.pt").write_bytes(b"a run of python -m mpedu train")
+    proc, _ = torchrun("train", "--limit-batches", "1", "--epochs", "1", "--out", str(tmp_path / "single"))
+    assert proc.returncode != 0 and "holds the checkpoint.pt of a python -m mpedu train run" in proc.stderr, \
+        proc.stderr
+    assert sorted(p.name for p in (tmp_path / "single").iterdir() if p.name != LOCK_NAME) == ["checkpoint.pt"]
 

@@ -233,6 +233,21 @@ def _in_another_thread(fn):
     return result[0]
 
 
+def test_a_runner_holding_part_of_the_model_writes_no_checkpoint(little, tmp_path):
+    # a torchrun rank (DistributedPipeline) holds only its layers: with out= every rank saved a checkpoint whose
+    # other layers were still at their first weights, and --resume then trained on from it
+    from mpedu.single import SingleDevice
+    model = lm(little)
+    rank = SingleDevice(model)
+    rank.owned = ["embed", "lstm0"]
+    with pytest.raises(ValueError, match="trains only embed, lstm0: the other layers' weights here are their first"):
+        train(model, little, runner=rank, epochs=1, batch_size=16, limit_batches=1, out=tmp_path / "run", **quiet())
+    assert not (tmp_path / "run").exists()
+    rank.owned = list(model.layer_names)                    # a rank holding every layer (data parallel only)
+    train(model, little, runner=rank, epochs=1, batch_size=16, limit_batches=1, out=tmp_path / "run", **quiet())
+    assert (tmp_path / "run" / "checkpoint.pt").exists()
+
+
 def test_train_locks_its_out_folder_against_another_run(little, tmp_path, monkeypatch):
     """Library train(out=...) creates the folder and holds its lock, as the command line does: another run
     on the same checkpoint.pt (here on another thread of this process) is refused, naming the holder."""

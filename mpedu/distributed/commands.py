@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import math
 import sys
@@ -22,6 +23,30 @@ from .cli import pipeline_devices
 from .group import setup
 from .pipeline import DistributedPipeline
 from .placement import rank_placement
+
+
+# what each rank may choose for itself: where it writes and reads (paths differ between machines; the data is
+# compared by content), what it prints, how long it waits
+_OWN = {"out", "data", "no_progress", "json", "timeout", "heartbeat", "given"}
+
+
+def same_everywhere(args, corpus) -> None:
+    """Refuse, on every rank at once, options or data that differ between the ranks: on several machines each
+    types its own command, and a different --lr trains silently wrong, a different --seed breaks a collective."""
+    mine = {key: value for key, value in sorted(vars(args).items()) if key not in _OWN and not callable(value)}
+    digest = hashlib.sha256("\n".join(corpus.vocab.itos).encode())
+    for split in (corpus.train, corpus.valid, corpus.test):
+        digest.update(f"{len(split)}:{sum(len(s) for s in split)}".encode())
+    mine["the data"] = f"{len(corpus.vocab):,} words, sha256 {digest.hexdigest()[:12]}"   # not its path: per machine
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for key, value in mine.items():
+        seen = [ranks.get(key) for ranks in everyone]
+        if any(v != seen[0] for v in seen):
+            what = key if key == "the data" else "--" + key.replace("_", "-")
+            told = "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
+            raise ValueError(f"the ranks were started with different {what} ({told}); give every process the "
+                             "same options and the same data")
 
 
 def _say(rank: int):
@@ -49,6 +74,9 @@ def _out_held(rank: int, out: Path, say):
                 held.enter_context(OutLock(prepare_out(out), log=say))
             except OutFolderError as e:
                 problem = str(e)
+            if problem is None and (out / "checkpoint.pt").exists():
+                problem = (f"--out {out} holds the checkpoint.pt of a python -m mpedu train run: this job's model.pt "
+                           "would sit beside it, and a --resume of that run would overwrite it; pick another --out")
         shared = [problem]
         dist.broadcast_object_list(shared, src=0)
         if shared[0] is not None:
@@ -60,6 +88,7 @@ def _train(args, rank, world, device, say, recipe, p, out) -> int:
     from ..data import load_corpus
     from ..model import LSTMLM
     corpus = load_corpus(args.data)          # every rank reads the data: same batches, same order
+    same_everywhere(args, corpus)
     torch.manual_seed(args.seed)
     model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab))
     stage_ranks = rank_placement(model, args.placement, p).stage_devices
@@ -123,6 +152,7 @@ def run_check(args) -> int:
         raise ValueError("--schedule names no schedule; e.g. --schedule gpipe,1f1b")
     p = pipeline_devices(args, world)
     corpus = load_corpus(args.data)
+    same_everywhere(args, corpus)
     torch.manual_seed(args.seed)
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout {args.dropout}: expected a probability, 0 <= P < 1")
