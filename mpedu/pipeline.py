@@ -5,7 +5,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import FIRST_EXCEPTION, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -196,11 +196,26 @@ class Pipeline:
         return footprint.device_footprints(sizes[0], self.placement, self.schedule, self.recompute,
                                            caps=self.memory_cap, chunk_costs=sizes)
 
+    def _which_train(self) -> tuple[bool, ...]:
+        """Which of the stages' weights require grad now: a key for what a step saves."""
+        return tuple(p.requires_grad for stage in self.stages for p in stage._all_params)
+
     def _layer_sizes(self, batch, plan: "BucketPlan"):
-        if plan.sizes is None:
-            plan.sizes = capacity.layer_sizes(self.stages, batch.split(self.micro_batches)[0], plan.chunk_bounds,
-                                              self.model)
-        return plan.sizes
+        # what a step saves depends on which weights train now (a layer frozen or thawed after the pipeline was
+        # built): one dry run per such choice; always of a training step (train mode, dropout masks and all)
+        trains = self._which_train()
+        if trains not in plan.sizes:
+            layers = [layer for stage in self.stages for layer in stage.layers]
+            modes = [layer.training for layer in layers]
+            try:
+                for layer in layers:
+                    layer.train()
+                plan.sizes[trains] = capacity.layer_sizes(self.stages, batch.split(self.micro_batches)[0],
+                                                          plan.chunk_bounds, self.model)
+            finally:
+                for layer, mode in zip(layers, modes):
+                    layer.train(mode)
+        return plan.sizes[trains]
 
     def reset_state(self) -> None:
         """Forget carried recurrent state (stream mode)."""
@@ -288,11 +303,12 @@ class Pipeline:
                     raise RuntimeError(f"the model's layer {name!r} was replaced after this Pipeline was built, "
                                        "which would go on running the old one; build a new Pipeline on the model")
         plan = self._plan(batch)
-        if train and self.memory_cap and not plan.memory_checked:
-            # before the step: nothing has run yet
-            capacity.check_memory(self.memory_estimate(batch), plan.sizes, self.placement,
+        trains = self._which_train()
+        if train and self.memory_cap and trains not in plan.memory_checked:
+            # before the step: nothing has run yet (again when other weights train now: a thawed layer saves more)
+            capacity.check_memory(self.memory_estimate(batch), self._layer_sizes(batch, plan), self.placement,
                                   self.schedule, self.recompute, self.memory_cap, (plan.T, plan.B))
-            plan.memory_checked = True
+            plan.memory_checked.add(trains)
         plan.steps += 1
         micro = streams.MicroBatches(batch, self.micro_batches, plan.chunk_bounds,
                                      pin_inputs=self.stages[0].device.is_cuda,
@@ -456,8 +472,9 @@ class BucketPlan:
     micro_batch: int
     chunk_bounds: list[tuple[int, int]]
     steps: int = 0      # how many steps used this plan
-    sizes: list | None = None        # the layers' bytes per time chunk (Costs without times) for memory_estimate
-    memory_checked: bool = False
+    # the layers' bytes per time chunk (Costs without times) for memory_estimate, by which weights train
+    sizes: dict = field(default_factory=dict)
+    memory_checked: set = field(default_factory=set)     # those choices checked against memory_cap
 
     def __str__(self) -> str:
         chunks = ", ".join(f"[{lo}:{hi})" for lo, hi in self.chunk_bounds)

@@ -114,3 +114,35 @@ def test_memory_cap_from_the_command_line(capsys, tmp_path):
     with pytest.raises(SystemExit):
         cli.main([*quick, "--memory-cap", "lots"])
     assert "memory size 'lots'" in capsys.readouterr().err
+
+
+def test_a_layer_thawed_after_the_first_step_is_checked_against_the_cap_again():
+    # the cap was checked once per batch shape, whatever trained: thawing three layers after step 1 let vgpu:0
+    # go on to hold 1.3 MB under a 743 kB cap, and memory_estimate kept the frozen model's figures
+    model, batch = tiny_model(), make_batch(T=10, B=8)
+    layout = "embed,lstm0-1:vgpu0 | lstm2,decode:vgpu1"
+    for name in ("embed", "lstm0", "lstm1"):
+        model.layers[name].requires_grad_(False)
+    with Pipeline(model, layout, "gpipe", micro_batches=4) as pipe:
+        cap = max(f.total for f in pipe.memory_estimate(batch))
+    with Pipeline(model, layout, "gpipe", micro_batches=4, memory_cap=cap) as pipe:
+        assert math.isfinite(pipe.train_step(batch).loss)
+        for name in ("embed", "lstm0", "lstm1"):
+            model.layers[name].requires_grad_(True)
+        thawed = pipe.memory_estimate(batch)
+        with Pipeline(model, layout, "gpipe", micro_batches=4) as fresh:
+            assert [f.total for f in thawed] == [f.total for f in fresh.memory_estimate(batch)]
+        assert max(f.total for f in thawed) > cap
+        with pytest.raises(MemoryCapError, match="vgpu:0 needs"):
+            pipe.train_step(batch)
+
+
+def test_the_estimate_is_of_a_training_step_whatever_mode_the_model_is_in():
+    # measured after an eval step (dropout off), the estimate missed the dropout masks a training step keeps
+    model, batch = tiny_model(dropout=0.3), make_batch(T=10, B=8)
+    with Pipeline(model, "embed,lstm0-1:vgpu0 | lstm2,decode:vgpu1", "gpipe", micro_batches=4) as pipe:
+        pipe.eval_step(batch)
+        after_eval = pipe.memory_estimate(batch)
+        timeline = pipe.train_step(batch).timeline
+    for need in after_eval:          # the activations a training step really held (saved-tensor hooks)
+        assert need.activations == pytest.approx(timeline.peak_memory(need.device), rel=0.02), need
