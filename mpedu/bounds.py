@@ -26,8 +26,9 @@ def memory_floor(stage_costs, stage_devices, held, recompute, chunks, optimizer_
                  smallest_chunk=None) -> int:
     """A cheap lower bound on the largest device's footprint (mpedu.footprint has the real count):
     weights, gradients, optimizer state, and the units held after each forward at the bytes they keep
-    (all of their activations, or with recomputation their input only). Without recomputation, and
-    with time chunks of equal length, this is the peak. smallest_chunk: per stage, the StageCost of
+    (all of their activations, or with recomputation their input only). Without recomputation, with
+    time chunks of equal length and no split backward (zero bubble also keeps each output's gradient
+    from B to W), this is the peak. smallest_chunk: per stage, the StageCost of
     its smallest time chunk (chunks of unequal lengths: every unit counted at that one's bytes)."""
     def kept(s):
         c, share = (stage_costs[s], chunks) if smallest_chunk is None else (smallest_chunk[s], 1)

@@ -100,14 +100,16 @@ class Footprint:
         return f"{self.device}: {format_size(self.total)} = {self.parts()}{cap}"
 
 
-def peak_held(row, unit_bytes: Callable[[int, int, int], tuple[float, float]], split=()) -> tuple[float, int]:
+def peak_held(row, unit_bytes: Callable[[int, int, int], tuple[float, float]], split=(),
+              grad_bytes: Callable[[int], float] = lambda stage: 0.0) -> tuple[float, int]:
     """The one loop that counts what a schedule holds: walk one device's actions in the order it runs
     them and return (most bytes held at once, most units held at once).
 
     unit_bytes(stage, mb, chunk) -> (kept, full): what a (micro-batch, chunk) unit holds from its F to its
     backward, and while its backward runs. kept == full without recomputation; with it, kept is the
     stage's input and the backward first rebuilds `full`. A unit is freed by its B, or by its W on a
-    stage in `split` (zero-bubble: B keeps the graph for W).
+    stage in `split` (zero-bubble: B keeps the graph for W, and grad_bytes(stage), the gradient of the
+    stage's output, which W starts from again).
     """
     held = peak = 0.0
     units = peak_units = 0
@@ -129,6 +131,10 @@ def peak_held(row, unit_bytes: Callable[[int, int, int], tuple[float, float]], s
             if a.stage not in split and key in holding:
                 held -= holding.pop(key)
                 units -= 1
+            elif key in holding:
+                extra = grad_bytes(a.stage)
+                holding[key] += extra
+                held += extra
         elif a.kind == "W" and key in holding:
             held -= holding.pop(key)
             units -= 1
@@ -192,7 +198,7 @@ def device_footprints(costs, placement, schedule, recompute=None, optimizer_byte
         fixed[device.name][1] += c.trainable_bytes
     out = []
     for name, row in zip(names, schedule.actions):
-        peak, units = peak_held(row, sizes, schedule.split_backward)
+        peak, units = peak_held(row, sizes, schedule.split_backward, lambda s: stage_costs[s].output_bytes)
         weights, grads = fixed[name]
         opt = (optimizer_state[name] if optimizer_state is not None and name in optimizer_state
                else int(round(optimizer_bytes_per_param * grads)))
@@ -209,7 +215,8 @@ def stage_footprint(stage_cost, row, stage: int, mode: str | None, micro_batches
     stage's StageCost on each time chunk alone (chunks of unequal lengths hold unequal bytes)."""
     modes = {stage: mode}
     each = None if per_chunk is None else [{stage: c} for c in per_chunk]
-    peak, units = peak_held(row, unit_bytes({stage: stage_cost}, modes, micro_batches, chunks, each), split)
+    peak, units = peak_held(row, unit_bytes({stage: stage_cost}, modes, micro_batches, chunks, each), split,
+                            lambda s: stage_cost.output_bytes)
     return Footprint(device, stage_cost.param_bytes, stage_cost.trainable_bytes,
                      int(round(optimizer_bytes_per_param * stage_cost.trainable_bytes)), int(round(peak)), units)
 

@@ -441,10 +441,12 @@ class Pipeline:
                             start = clock.mark()
                             grown = stage.recompute_forward(a.mb, a.chunk)
                             marks.append(("R", a.stage, a, start, clock.mark(), 0, "", grown))
-                        held = stage.saved_bytes(a.mb, a.chunk) if a.stage not in split else 0
+                        held = stage.saved_bytes(a.mb, a.chunk)
                         start = clock.mark()
                         grad_in = stage.backward(a.mb, a.chunk, grad, weights=a.stage not in split)
-                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, "", -held))
+                        # freed (fused), or kept for W with the output's gradient besides (split)
+                        marks.append((a.kind, a.stage, a, start, clock.mark(), 0, "",
+                                      stage.saved_bytes(a.mb, a.chunk) - held))
                         if a.stage > 0:
                             send(grad_in, "grad", a.stage, a.stage - 1, a, clock, marks)
                     else:

@@ -179,11 +179,12 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
 
     def change(a) -> int:
         kept, full = (round(x) for x in sizes(a.stage, a.mb, a.chunk))
+        grad = round(stage_costs[a.stage].output_bytes)     # split: B keeps the output's gradient for W
         if a.kind == "F":
             return kept
-        if a.kind == "W" or (a.kind == "B" and a.stage not in split):
+        if a.kind == "B" and a.stage not in split:
             return -full
-        return 0
+        return grad if a.kind == "B" else -(full + grad)
 
     for d, a, start, end in played:
         if rerun(a):           # the R part takes the forward's share of the action's time

@@ -284,10 +284,14 @@ class Stage:
             if early:               # recurrent layers: their weights now, with the input gradient
                 torch.autograd.backward(outputs, grads, inputs=leaves + early, retain_graph=True)
                 leaf_grads = [t.grad for t in leaves]
+                for t in leaves:    # handed on below; the leaves stay until W, their gradients need not
+                    t.grad = None
             else:
                 leaf_grads = (torch.autograd.grad(outputs, leaves, grads, retain_graph=True, allow_unused=True)
                               if leaves else [])
             saved.grads = [outputs, grads]
+            # held for W too: the output's gradient (the next stage's; none on the last, which starts from the loss)
+            saved.saved_bytes += sum(g.numel() * g.element_size() for g in grads if g is not None)
         if saved.state_in:                             # hand the state gradient to chunk - 1
             given = iter(leaf_grads[-len(state_leaves):])
             self.state_grad[mb, chunk - 1] = {name: tuple(next(given) for _ in state)

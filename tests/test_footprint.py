@@ -125,6 +125,21 @@ def test_zero_bubble_holds_a_micro_batch_until_its_w():
     ones = lambda s, mb, chunk: (1, 1)      # noqa: E731
     assert peak_held(row, ones, split={0}) == (3, 3)
     assert peak_held(row, ones) == (2, 2)           # fused backward: B frees it
+    # and from its B to its W, the gradient of its output too (W starts from it again)
+    assert peak_held(row, ones, split={0}, grad_bytes=lambda stage: 0.5) == (3.5, 3)
+
+
+def test_a_zero_bubble_step_holds_each_outputs_gradient_from_b_to_w():
+    # the B of a split stage keeps the gradient it received for W: 2-6% of a stage's peak that neither the
+    # model nor the step's count held; its input's gradient, handed upstream, it no longer keeps at all
+    batch = make_batch(T=12, B=16)
+    with Pipeline(tiny_model(), THREE, "zb1", micro_batches=8) as pipe:
+        timeline = pipe.train_step(batch).timeline
+    config = pipe.model.config
+    for e in timeline.compute():
+        if e.kind == "B" and e.stage < 2:            # the gradient of this stage's (T, b, width) output
+            width = config.embed_size if e.stage == 0 else config.hidden_size     # embed | lstm0-1
+            assert e.memory == 12 * 2 * width * 4, e
 
 
 def test_tied_weights_count_once_everywhere():

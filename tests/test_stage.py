@@ -115,6 +115,8 @@ def test_a_split_backward_leaves_w_nothing_to_do_on_a_stage_of_lstm_layers():
         grad_in = stage.backward(0, 0, torch.ones_like(out), weights=not split)
         after_b = [p.grad.clone() for p in stage.params]
         if split:
+            # the input gradient went upstream: the input kept for W does not hold on to it as well
+            assert stage.saved[0, 0].x.grad is None and grad_in is not None
             stage.backward_weight(0, 0)
             assert all(torch.equal(p.grad, g) for p, g in zip(stage.params, after_b)), "W changed a weight gradient"
             assert not stage.saved
