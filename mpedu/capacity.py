@@ -45,12 +45,12 @@ def _chunk_sizes(stages, micro, lo: int, hi: int, model) -> Costs:
         for stage in stages:
             dev = stage.device.torch_device
             targets = micro.targets[lo:hi].to(dev) if stage.is_last else None
-            out, per_layer, out_bytes, in_saved = stage.measure(x.to(dev), targets)
-            held.append(out)    # keep every graph alive: no address is reused while counting
+            outs, per_layer, out_bytes, in_saved = stage.measure(x.to(dev), targets)
+            held.append(outs)   # keep every graph alive: no address is reused while counting
             storages += per_layer
             outputs += out_bytes
             input_saved += in_saved
-            x = out.detach()
+            x = outs[-1].detach()
     del held
     names = [name for stage in stages for name in stage.names]
     shared = [0] + [sum(n for ptr, n in storages[k].items() if ptr in storages[k - 1]) for k in range(1, len(names))]

@@ -142,6 +142,12 @@ def peak_held(row, unit_bytes: Callable[[int, int, int], tuple[float, float]], s
     return peak, peak_units
 
 
+def output_grad_bytes(c) -> float:
+    """What a split (zero-bubble) stage keeps from its B to its W besides its activations: the gradient of
+    its output. None on a stage where nothing wants a gradient (a frozen first stage on token ids)."""
+    return c.output_bytes if c.activation_bytes or c.trainable_bytes else 0
+
+
 def unit_bytes(stage_costs, modes, micro_batches: int, chunks: int = 1, per_chunk=None):
     """unit_bytes(stage, mb, chunk=0) -> (kept, full) for peak_held, from StageCosts of one full-sequence
     micro-batch (a unit holds 1/chunks of it), or `per_chunk`: for each time chunk, the StageCosts of that
@@ -198,7 +204,7 @@ def device_footprints(costs, placement, schedule, recompute=None, optimizer_byte
         fixed[device.name][1] += c.trainable_bytes
     out = []
     for name, row in zip(names, schedule.actions):
-        peak, units = peak_held(row, sizes, schedule.split_backward, lambda s: stage_costs[s].output_bytes)
+        peak, units = peak_held(row, sizes, schedule.split_backward, lambda s: output_grad_bytes(stage_costs[s]))
         weights, grads = fixed[name]
         opt = (optimizer_state[name] if optimizer_state is not None and name in optimizer_state
                else int(round(optimizer_bytes_per_param * grads)))
@@ -216,7 +222,7 @@ def stage_footprint(stage_cost, row, stage: int, mode: str | None, micro_batches
     modes = {stage: mode}
     each = None if per_chunk is None else [{stage: c} for c in per_chunk]
     peak, units = peak_held(row, unit_bytes({stage: stage_cost}, modes, micro_batches, chunks, each), split,
-                            lambda s: stage_cost.output_bytes)
+                            lambda s: output_grad_bytes(stage_cost))
     return Footprint(device, stage_cost.param_bytes, stage_cost.trainable_bytes,
                      int(round(optimizer_bytes_per_param * stage_cost.trainable_bytes)), int(round(peak)), units)
 

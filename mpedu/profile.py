@@ -125,18 +125,24 @@ class Costs:
             ks = [index[n] for n in names]
             if ks != list(range(ks[0], ks[0] + len(ks))):
                 raise ValueError(f"stage {s} ({', '.join(names)}) is not a run of consecutive layers")
-            first, rest = ks[0], ks[1:]
-            last = max((k for k in ks if self.recurrent[k]), default=first - 1)
-            early, late = [k for k in ks if k <= last], [k for k in ks if k > last]
+            first = ks[0]
+            # The first stage's frozen lead (a frozen embedding on token ids, and frozen layers after it): no
+            # gradient flows into or through it, so autograd keeps nothing there and the backward never
+            # reaches it. Any later stage's input wants a gradient at the boundary, so its layers all count.
+            lead = next((i for i, k in enumerate(ks) if self.trainable_bytes[k]), len(ks)) if first == 0 else 0
+            live = ks[lead:]
+            last = max((k for k in live if self.recurrent[k]), default=first - 1)
+            early, late = [k for k in live if k <= last], [k for k in live if k > last]
             out.append(StageCost(
                 forward=sum(self.forward[k] for k in ks),
-                backward=sum(self.backward[k] for k in ks),
+                backward=sum(self.backward[k] for k in live),
                 backward_input=0.0 if first == 0 and not early else
                 sum(self.backward[k] for k in early) + sum(self.backward_input[k] for k in late),
                 backward_weight=(self.backward_weight[late[0]] + sum(self.backward[k] for k in late[1:])
                                  if late else 0.0),
                 output_bytes=self.output_bytes[ks[-1]],
-                activation_bytes=sum(self.activation_bytes[k] for k in ks) - sum(self.shared_bytes[k] for k in rest),
+                activation_bytes=sum(self.activation_bytes[k] for k in live)
+                - sum(self.shared_bytes[k] for k in live[1:]),
                 param_bytes=sum(self.param_bytes[k] for k in ks),
                 names=tuple(names),
                 input_bytes=self.output_bytes[first - 1] if first > 0 else 0,

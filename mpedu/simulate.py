@@ -5,7 +5,7 @@ from numbers import Real
 from typing import Mapping, Sequence
 
 from . import schedules
-from .footprint import peak_held, recompute_modes, recomputes, unit_bytes
+from .footprint import output_grad_bytes, peak_held, recompute_modes, recomputes, unit_bytes
 from .link import Channel, Link
 from .profile import Costs, StageCost
 from .schedules import Schedule
@@ -179,7 +179,7 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
 
     def change(a) -> int:
         kept, full = (round(x) for x in sizes(a.stage, a.mb, a.chunk))
-        grad = round(stage_costs[a.stage].output_bytes)     # split: B keeps the output's gradient for W
+        grad = round(output_grad_bytes(stage_costs[a.stage]))     # split: B keeps the output's gradient for W
         if a.kind == "F":
             return kept
         if a.kind == "B" and a.stage not in split:

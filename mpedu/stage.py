@@ -186,16 +186,19 @@ class Stage:
 
     def measure(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         """A dry run for the memory estimate: run the layers on one micro-batch from a fresh state,
-        store nothing, and return (output, [per layer: {storage: bytes} autograd saved for backward],
+        store nothing, and return (outputs, [per layer: {storage: bytes} autograd saved for backward],
         [per layer: output bytes], [per layer: bytes of its own input it saves]).
 
-        The output keeps its graph, so the saved storages stay allocated (and their addresses
-        unique) for as long as the caller holds it; detach it before passing it on.
+        Each layer is weighed as the first of a stage would be (its input wanting a gradient), as
+        `profile` weighs it, whatever the layers before it here: a frozen layer after frozen ones saves
+        nothing in this stage but would in another (Costs.stages counts a frozen lead as nothing).
+        The outputs (one per layer, the last one the stage's) keep their graphs, so the saved storages
+        stay allocated (and their addresses unique) while the caller holds them; detach before passing on.
         """
-        if x.is_floating_point():
-            x = x.detach().requires_grad_(True)
-        per_layer, outputs, input_saved = [], [], []
+        per_layer, outputs, input_saved, graphs = [], [], [], []
         for k, layer in enumerate(self.layers):
+            if x.is_floating_point():
+                x = x.detach().requires_grad_(True)
             storages: dict[int, int] = {}
             inp = x
             with torch.autograd.graph.saved_tensors_hooks(self._counting_hook(storages, x, targets), lambda t: t):
@@ -206,7 +209,8 @@ class Stage:
             per_layer.append(storages)
             outputs.append(0 if last else x.numel() * x.element_size())
             input_saved.append(storages.get(inp.untyped_storage().data_ptr(), 0) if inp.is_floating_point() else 0)
-        return x, per_layer, outputs, input_saved
+            graphs.append(x)
+        return graphs, per_layer, outputs, input_saved
 
     def _counting_hook(self, storages: dict[int, int], x: torch.Tensor, targets: torch.Tensor | None):
         """`count_saved` for this stage. Not counted: weights, and the step's token ids and targets

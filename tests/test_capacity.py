@@ -146,3 +146,30 @@ def test_the_estimate_is_of_a_training_step_whatever_mode_the_model_is_in():
         timeline = pipe.train_step(batch).timeline
     for need in after_eval:          # the activations a training step really held (saved-tensor hooks)
         assert need.activations == pytest.approx(timeline.peak_memory(need.device), rel=0.02), need
+
+
+def test_a_refusal_over_frozen_layers_names_a_placement_that_fits():
+    # frozen embed and lstm0 keep nothing in the first stage, but lstm0 keeps its all as the first layer of a
+    # later stage: measured in place, a refusal named placements with lstm0 after a cut as if free (24 of 30)
+    batch, start = make_batch(T=10, B=8), "embed,lstm0,lstm1:vgpu0 | lstm2,decode:vgpu1"
+
+    def frozen():
+        model = tiny_model()
+        for name in ("embed", "lstm0"):
+            model.layers[name].requires_grad_(False)
+        return model
+    named = 0
+    for c0 in (20_000, 50_000, 100_000):            # vgpu:0 holds embed alone at most
+        for c1 in range(1_300_000, 2_000_000, 100_000):
+            cap = {"vgpu:0": c0, "vgpu:1": c1}
+            with Pipeline(frozen(), start, "gpipe", micro_batches=2, memory_cap=cap) as pipe:
+                try:
+                    pipe.train_step(batch)
+                    continue
+                except MemoryCapError as e:
+                    found = re.search(r"A placement that fits: '([^']+)'", str(e))
+            if found:
+                named += 1
+                with Pipeline(frozen(), found.group(1), "gpipe", micro_batches=2, memory_cap=cap) as pipe:
+                    assert all(n.fits for n in pipe.memory_estimate(batch)), (cap, found.group(1))
+    assert named >= 3

@@ -85,6 +85,28 @@ def test_the_explorer_shows_what_a_wavefront_step_holds(tmp_path, T, chunks):
         assert shown[f.device] == pytest.approx(f.total, rel=0.05), (f.device, shown, f)
 
 
+@pytest.mark.parametrize("schedule,placement,m", [
+    ("gpipe", "embed,lstm0-1:vgpu0 | lstm2,decode:vgpu1", 4), ("1f1b", "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", 4),
+    ("zb1", "embed:vgpu0 | lstm0-2,decode:vgpu1", 2), ("gpipe", "embed:vgpu0 | lstm0-2,decode:vgpu1", 2)])
+def test_a_frozen_lead_counts_as_nothing_in_the_first_stage_and_in_full_after_a_cut(schedule, placement, m):
+    # frozen embed and lstm0: in the first stage no gradient reaches them and they keep nothing; as the first layer
+    # of a later stage (its input wants a gradient at the boundary) lstm0 keeps its all. The per-layer profile
+    # weighs each layer as a stage's first, so the model counted it in the first stage too (a planner refused
+    # caps its plans fit), and a refusal measured it in the first stage and named it free after a cut
+    batch, model = make_batch(T=10, B=8), tiny_model(dropout=0.2)
+    for name in ("embed", "lstm0"):
+        model.layers[name].requires_grad_(False)
+    costs = profile(model, batch, micro_batches=m, warmup=0, repeats=1)
+    with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
+        estimate = pipe.memory_estimate(batch)
+        timeline = pipe.train_step(batch).timeline
+        predicted = device_footprints(costs, pipe.placement, pipe.schedule)
+    for f, e in zip(predicted, estimate, strict=True):
+        assert f.activations == e.activations == timeline.peak_memory(f.device), (f, e)
+    first, names = costs.stages(pipe.placement)[0], pipe.placement.stages[0][1]
+    assert (first.activation_bytes == 0) == (set(names) <= {"embed", "lstm0"}), names
+
+
 @pytest.mark.parametrize("recompute", [None, "all"])
 def test_a_frozen_first_stage_under_the_wavefront_holds_nothing_and_is_predicted_so(recompute):
     """Frozen layers on token ids keep no graph, in any time chunk: the recurrent state handed from chunk to
