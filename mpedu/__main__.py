@@ -323,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     world = os.environ.get("WORLD_SIZE", "1")
     if args.command == "train" and world.isdigit() and int(world) > 1:
         # under torchrun each process would train the whole model on its own, in the same --out
-        return _error(f"python -m mpedu train runs the whole pipeline in this one process, but torchrun started "
-                      f"{world} of them; for a pipeline across them use "
-                      f"torchrun ... -m mpedu.distributed train")
+        return _error(f"python -m mpedu train runs the whole pipeline in this one process, but WORLD_SIZE={world} "
+                      f"says {world} were started together (torchrun or another launcher); for a pipeline across them "
+                      f"use torchrun ... -m mpedu.distributed train")
     try:
         return run_corpus(args) if args.command == "corpus" else run_train(args)
     except KeyboardInterrupt:           # before training started (a Ctrl-C during it is answered in _train_in)

@@ -144,7 +144,7 @@ def peak_held(row, unit_bytes: Callable[[int, int, int], tuple[float, float]], s
 
 def output_grad_bytes(c) -> float:
     """What a split (zero-bubble) stage keeps from its B to its W besides its activations: the gradient of
-    its output. None on a stage where nothing wants a gradient (a frozen first stage on token ids)."""
+    its output; 0 on a stage where nothing wants a gradient (a frozen first stage on token ids)."""
     return c.output_bytes if c.activation_bytes or c.trainable_bytes else 0
 
 

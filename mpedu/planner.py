@@ -192,7 +192,8 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
 
     memory_cap: bytes (or "60MB") every device may hold; the fastest candidate within it is
     `Plans.best`. costs: a CostCurve (profile_curve) or one Costs (then other micro-batch
-    widths' times are scaled in proportion, and their bytes weighed by a dry run); None profiles
+    widths' times are scaled in proportion); bytes are weighed by a dry run at every shape the
+    search meets (a CostCurve keeps them for the next call); None profiles
     every width the search needs on the first device (slow for big models: profile once and pass it). micro_batches: the counts to try
     (default: every divisor of the batch width); chunks: the wavefront's time-chunk counts (those over
     the batch's T are skipped; default 2 and 4). cores and link go to simulate. optimizer_bytes_per_param: optimizer state
@@ -245,15 +246,12 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
         lengths = [T // c for c in chunks if c <= T] if "wavefront" in schedules else []
         costs = profile_curve(model, batch, devs[0], widths=widths, lengths=lengths, length_widths=widths,
                               **profile_args)
-        costs.weigh(model, search_shapes(T, B, ms, chunks if "wavefront" in schedules else ()), devs[0])
-    if isinstance(costs, CostCurve):
-        curve = costs
-    else:       # times scale in proportion from one profile; bytes are weighed at every shape (a dry run, fast)
-        curve = CostCurve([costs], [])
-        if costs.names == names:
-            curve.weigh(model, search_shapes(T, B, ms, chunks if "wavefront" in schedules else ()), devs[0])
+    curve = costs if isinstance(costs, CostCurve) else CostCurve([costs], [])   # one profile: times in proportion
     if curve.names != names:
         raise ValueError(f"the costs cover layers {curve.names}, the model has {names}: profile this model")
+    # activation bytes grow in blocks, not in proportion: weighed at every shape the search meets (a dry run per
+    # shape not weighed yet; a curve keeps them, so pass the same CostCurve to plan again)
+    curve.weigh(model, search_shapes(T, B, ms, chunks if "wavefront" in schedules else ()), devs[0])
 
     start = time.perf_counter()
     candidates = list(_enumerate(names, devs, ms, curve, schedules, recompute, chunks, T, B, cores,
@@ -438,11 +436,7 @@ def plan_buckets(model, batches, devices, curve: CostCurve, memory_cap=None, **p
     choice = {}
     for T, counts in sorted(widths.items()):
         B = max(counts, key=counts.get)                 # the bucket's usual width (its last batch may be short)
-        ms = plan_args.get("micro_batches") or [d for d in range(1, B + 1) if B % d == 0]
-        wavefront = "wavefront" in _choices(plan_args.get("schedules", SCHEDULES))
-        # each bucket's activation bytes as measured, not read off the curve (they grow in blocks)
-        chunks = _choices(plan_args.get("chunks", (2, 4))) if wavefront else ()
-        curve.weigh(model, search_shapes(T, B, _choices(ms), chunks))
+        # plan weighs each bucket's activation bytes as measured (they grow in blocks, not with T)
         choice[T] = plan(model, _Shape(T, B), devices, memory_cap, costs=curve, **plan_args).best
     return choice
 

@@ -47,13 +47,16 @@ def measure(candidates, model, batch, steps: int = 3, warmup: int = 1, rounds=No
     rounds: how to run the measured rounds, `rounds(one_round, steps)`, where `one_round(r)` runs round r
     and returns a function that forgets it (a benchmark waits for a quiet machine and runs again a round
     that other work disturbed); None runs them one after another. link: the link the candidates were
-    predicted with (Plans.measure passes the plan's), which their Pipelines then emulate."""
+    predicted with (Plans.measure passes the plan's), which their Pipelines then emulate (not on GPUs)."""
     check_number("steps", steps, integer=True, minimum=1)
     check_number("warmup", warmup, integer=True)
     if len(candidates) < 2:
         raise ValueError(f"only {len(candidates)} candidate(s) to measure; a ranking needs two or more "
                          "(ask for top >= 2, raise the memory cap, or allow more schedules)")
-    pipes = [c.pipeline(model, **({} if link is None else {"link": link})) for c in candidates]
+    # a link is emulated off GPUs only (a GPU's copies take their real time; Pipeline refuses link= there)
+    pipes = [c.pipeline(model, **({"link": link} if link is not None and not any(d.is_cuda for d in
+                                                                                c.placement.devices) else {}))
+             for c in candidates]
     times = [[] for _ in candidates]
 
     def one_round(r):

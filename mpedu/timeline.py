@@ -161,7 +161,13 @@ class Timeline:
             if e.get("device") not in devices:      # (a peer may be elsewhere: "rank:1" under torchrun)
                 raise ValueError(f"event {k} is on device {e.get('device')!r}, which the timeline's devices "
                                  f"{devices} do not list")
-        return cls(devices, [Event(**e) for e in d["events"]], d.get("source", "measured"))
+        events = []
+        for k, e in enumerate(d["events"]):
+            try:
+                events.append(Event(**e))
+            except TypeError as error:          # a required field missing
+                raise ValueError(f"event {k} of the timeline is not an Event: {error}") from None
+        return cls(devices, events, d.get("source", "measured"))
 
     def to_json(self, path) -> None:
         # temp file + rename, like a checkpoint: a symlink planted at `path` is replaced, not followed

@@ -127,12 +127,16 @@ def _holding_out(train_fn):
     def locked(model, corpus, **kwargs):
         if kwargs.get("out") is None:
             return train_fn(model, corpus, **kwargs)
-        owned = getattr(kwargs.get("runner"), "owned", None)     # a torchrun rank's layers
+        runner = kwargs.get("runner")
+        owned = getattr(runner, "owned", None)                   # a torchrun rank's layers
         if owned is not None and set(owned) != set(model.layer_names):
             raise ValueError(f"out= saves checkpoints of the whole model, but this runner (one torchrun rank) trains "
                              f"only {', '.join(owned)}: the other layers' weights here are their first ones. Leave "
                              "out=None under torchrun and gather the trained weights at the end with "
                              "runner.gather_state_dict(), as python -m mpedu.distributed train does for model.pt")
+        if getattr(runner, "world", 1) > 1:                      # data parallel: every rank holds every layer
+            raise ValueError(f"out= would have each of the {runner.world} torchrun ranks write the same checkpoint; "
+                             "leave out=None under torchrun and save the weights from rank 0 at the end")
         with OutLock(prepare_out(kwargs["out"]), log=kwargs.get("log", print)):
             return train_fn(model, corpus, **kwargs)
     return locked

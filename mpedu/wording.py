@@ -55,7 +55,7 @@ def far_from_prediction(spans: list[float], predicted_s: float, virtual: bool, f
     typical = statistics.median(spans[1:] or spans) if spans else 0.0
     if not typical or not predicted_s or 1 / factor <= typical / predicted_s <= factor:
         return ""
-    ratio = f"the steps took {typical / predicted_s:.1f}× the prediction ({typical * 1e3:.1f} ms against " \
+    ratio = f"the steps took {typical / predicted_s:.2f}× the prediction ({typical * 1e3:.1f} ms against " \
             f"{predicted_s * 1e3:.1f})"
     if typical > predicted_s:
         why = ("other work is probably taking the CPU cores, which the prediction gives the virtual devices "

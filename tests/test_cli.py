@@ -466,7 +466,7 @@ def test_under_torchrun_the_one_process_command_points_to_the_distributed_one(mo
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli.main(["train", "--out", str(tmp_path), "--limit-batches", "1"]) == 2
     err = capsys.readouterr().err
-    assert "torchrun started 2 of them" in err and "-m mpedu.distributed train" in err
+    assert "WORLD_SIZE=2 says 2 were started together" in err and "-m mpedu.distributed train" in err
     assert not any(tmp_path.iterdir())                                   # nothing written
     monkeypatch.setenv("WORLD_SIZE", "1")                                # one process: trains as ever
     assert cli.main(["train", "--out", str(tmp_path), "--limit-batches", "1", "--epochs", "1",

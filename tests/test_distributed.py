@@ -515,3 +515,52 @@ def test_ranks_started_with_different_options_are_refused_before_training(tmp_pa
         proc.stderr
     assert sorted(p.name for p in (tmp_path / "single").iterdir() if p.name != LOCK_NAME) == ["checkpoint.pt"]
 
+
+ORIGINS = """
+import time, torch.distributed as dist
+from mpedu.distributed import setup
+from mpedu.distributed.timing import shared_origin
+setup("gloo")
+origins = [None] * dist.get_world_size()
+for same_host in (True, False):                  # False: the estimate across machines, here on one
+    dist.all_gather_object(origins, shared_origin(same_host=same_host))
+    if dist.get_rank() == 0:
+        print(f"same_host={same_host} spread {max(origins) - min(origins):.6f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@needs_gloo
+def test_every_rank_finds_one_origin_on_either_path(tmp_path):
+    """On one machine the origins are the same reading of the shared monotonic clock; estimated as across
+    machines (rank 0's clock broadcast, the least arrival gap), they land within a few milliseconds of it."""
+    proc = _run_script(tmp_path, ORIGINS)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    spreads = dict(re.findall(r"same_host=(\w+) spread (\S+)", proc.stdout))
+    assert float(spreads["True"]) == 0.0 and 0.0 <= float(spreads["False"]) < 0.01, proc.stdout
+
+
+DIFFERENT_DATA = """
+import os, sys
+from mpedu.distributed import cli
+import mpedu.data
+load = mpedu.data.load_corpus
+def reversed_on_rank_1(*args, **kwargs):         # the same words, sentences in another order: another corpus
+    corpus = load(*args, **kwargs)
+    if os.environ["RANK"] == "1":
+        corpus.train = corpus.train[::-1]
+    return corpus
+mpedu.data.load_corpus = reversed_on_rank_1
+sys.exit(cli.main(["train", "--limit-batches", "1", "--epochs", "1", "--no-progress", "--out", sys.argv[1]]))
+"""
+
+
+@needs_gloo
+def test_ranks_with_the_same_words_in_another_order_are_refused(tmp_path):
+    """The data's digest covered its words and sizes only: a corpus with the same words in another order passed,
+    and rank 1 scored rank 0's inputs against other targets. Every token id counts now."""
+    script = tmp_path / "data.py"
+    script.write_text(DIFFERENT_DATA)
+    proc, _ = torchrun(str(tmp_path / "out"), script=script)
+    assert proc.returncode != 0 and "the ranks were started with different data (rank 0: 3,289 words, sha256" in proc.stderr, proc.stderr
+

@@ -56,3 +56,18 @@ def test_one_rank_is_its_own_clock_origin_on_either_path(one_rank):
         origin = shared_origin(same_host=same_host)
         assert before <= origin <= time.perf_counter()
 
+
+
+def test_a_layer_thawed_after_the_pipeline_was_built_is_clipped_with_the_others(one_rank):
+    # the rank's list of training weights was fixed when the pipeline was built: a thawed layer then went
+    # unclipped (and, under data parallelism, un-reduced)
+    model = tiny_model()
+    model.layers["lstm0"].requires_grad_(False)
+    pipe = DistributedPipeline(model, None, "gpipe", 2, width=8)
+    assert all(p.requires_grad for p in pipe.params)
+    model.layers["lstm0"].requires_grad_(True)
+    pipe.train_step(make_batch(T=6, B=8))
+    before = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    pipe.clip_grad_norm(1e-3)
+    after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
+    assert before > 1e-3 and after == pytest.approx(1e-3, rel=1e-3)

@@ -258,3 +258,16 @@ def test_one_profile_is_weighed_at_every_shape_the_search_meets(T):
     for c in plans.simulated:
         with c.pipeline(model) as pipe:
             assert list(c.device_bytes) == [f.total for f in pipe.memory_estimate(batch)], c.label
+
+
+def test_a_cost_curve_is_weighed_too_and_keeps_what_it_weighed():
+    # a CostCurve (profile once, plan many times) was used unweighed: wavefront peaks 13-21% low
+    from mpedu.costcurve import profile_curve
+    model, batch = tiny_model(), make_batch(T=10, B=8)
+    curve = profile_curve(model, batch, widths=[2, 8], warmup=0, repeats=1)
+    plans = plan(model, batch, 2, costs=curve, schedules=("wavefront",), recompute=(None, "all"), chunks=(4,),
+                 micro_batches=[1, 4])
+    assert (3, 8) in curve.weighed and (2, 2) in curve.weighed          # chunks of 3 and 2 steps, kept for next time
+    for c in plans.simulated:
+        with c.pipeline(model) as pipe:
+            assert list(c.device_bytes) == [f.total for f in pipe.memory_estimate(batch)], c.label

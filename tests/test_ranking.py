@@ -46,6 +46,21 @@ def test_measured_plans_run_on_the_link_they_were_predicted_with(model, monkeypa
     plans.measure(model, batch, top=2, steps=1, warmup=0)
     assert [kw.get("link") for kw in built] == ["10gbe", "10gbe"]
     model.zero_grad(set_to_none=True)
+    # on GPUs the copies take their real time, and a Pipeline refuses an emulated link there: none is passed
+
+    class Built(Exception):
+        pass
+
+    def gpu_pipeline(self, model, **kw):
+        built.append(kw)
+        raise Built
+    from mpedu.devices import Device
+    monkeypatch.setattr(Device, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(Candidate, "pipeline", gpu_pipeline)
+    built.clear()
+    with pytest.raises(Built):
+        plans.measure(model, batch, top=2, steps=1, warmup=0)
+    assert built == [{}]
 
 
 def test_measure_lets_the_caller_run_the_rounds_again(model):

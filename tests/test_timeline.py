@@ -45,6 +45,10 @@ def test_from_dict_names_an_event_it_cannot_place():
     with pytest.raises(ValueError, match=r"event 0 of the timeline is not an Event.*fields: device, kind"):
         Timeline.from_dict(d)
     d = two_device_gpipe().to_dict()
+    del d["events"][1]["end"]
+    with pytest.raises(ValueError, match=r"event 1 of the timeline is not an Event: .*'end'"):
+        Timeline.from_dict(d)
+    d = two_device_gpipe().to_dict()
     d["events"][0]["peer"] = "rank:1"            # a receiver on another process (torchrun) is kept
     assert Timeline.from_dict(d).chrome_trace()["traceEvents"]
 

@@ -243,7 +243,10 @@ def test_a_runner_holding_part_of_the_model_writes_no_checkpoint(little, tmp_pat
     with pytest.raises(ValueError, match="trains only embed, lstm0: the other layers' weights here are their first"):
         train(model, little, runner=rank, epochs=1, batch_size=16, limit_batches=1, out=tmp_path / "run", **quiet())
     assert not (tmp_path / "run").exists()
-    rank.owned = list(model.layer_names)                    # a rank holding every layer (data parallel only)
+    rank.owned, rank.world = list(model.layer_names), 2     # every layer, on each of 2 ranks (data parallel)
+    with pytest.raises(ValueError, match="each of the 2 torchrun ranks write the same checkpoint"):
+        train(model, little, runner=rank, epochs=1, batch_size=16, limit_batches=1, out=tmp_path / "run", **quiet())
+    rank.world = 1                                           # a one-rank group: the whole model, one writer
     train(model, little, runner=rank, epochs=1, batch_size=16, limit_batches=1, out=tmp_path / "run", **quiet())
     assert (tmp_path / "run" / "checkpoint.pt").exists()
 

@@ -418,7 +418,8 @@ def test_a_run_far_from_its_prediction_says_why_it_may_be():
 def test_far_from_prediction_compares_the_typical_step():
     assert far_from_prediction([0.5, 0.11, 0.10, 0.12], 0.1, virtual=True) == ""     # the warm-up step left out
     slow = far_from_prediction([0.2, 0.2, 0.3], 0.1, virtual=True)
-    assert "2.5× the prediction (250.0 ms against 100.0)" in slow and "CPU cores" in slow
+    assert "2.50× the prediction (250.0 ms against 100.0)" in slow and "CPU cores" in slow
     assert "these devices" in far_from_prediction([0.2, 0.2], 0.1, virtual=False)
-    assert "0.5× the prediction" in far_from_prediction([0.05, 0.05], 0.1, virtual=True)
+    assert "0.50× the prediction" in far_from_prediction([0.05, 0.05], 0.1, virtual=True)
+    assert "1.52× the prediction" in far_from_prediction([0.152, 0.152], 0.1, virtual=True)   # not "1.5×": far
     assert far_from_prediction([], 0.1, virtual=True) == ""                        # stopped before a step

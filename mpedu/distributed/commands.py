@@ -25,8 +25,8 @@ from .pipeline import DistributedPipeline
 from .placement import rank_placement
 
 
-# what each rank may choose for itself: where it writes and reads (paths differ between machines; the data is
-# compared by content), what it prints, how long it waits
+# what each rank may choose for itself: where it writes and reads (paths differ between machines; the data and a
+# schedule file are compared by content), what it prints, how long it waits
 _OWN = {"out", "data", "no_progress", "json", "timeout", "heartbeat", "given"}
 
 
@@ -34,16 +34,21 @@ def same_everywhere(args, corpus) -> None:
     """Refuse, on every rank at once, options or data that differ between the ranks: on several machines each
     types its own command, and a different --lr trains silently wrong, a different --seed breaks a collective."""
     mine = {key: value for key, value in sorted(vars(args).items()) if key not in _OWN and not callable(value)}
+    if isinstance(mine.get("schedule"), str):     # a hand-written schedule file: its text, not its path
+        mine["schedule"] = ",".join(Path(item.strip()).read_text() if Path(item.strip()).is_file() else item
+                                    for item in mine["schedule"].split(","))
     digest = hashlib.sha256("\n".join(corpus.vocab.itos).encode())
-    for split in (corpus.train, corpus.valid, corpus.test):
-        digest.update(f"{len(split)}:{sum(len(s) for s in split)}".encode())
+    for split in (corpus.train, corpus.valid, corpus.test):     # every token id, in order (milliseconds for PTB)
+        digest.update(f"{len(split)};".encode())
+        if split:
+            digest.update(torch.cat(split).numpy().tobytes())
     mine["the data"] = f"{len(corpus.vocab):,} words, sha256 {digest.hexdigest()[:12]}"   # not its path: per machine
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for key, value in mine.items():
         seen = [ranks.get(key) for ranks in everyone]
         if any(v != seen[0] for v in seen):
-            what = key if key == "the data" else "--" + key.replace("_", "-")
+            what = "data" if key == "the data" else "--" + key.replace("_", "-")
             told = "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
             raise ValueError(f"the ranks were started with different {what} ({told}); give every process the "
                              "same options and the same data")

@@ -108,8 +108,7 @@ class DistributedPipeline:
         self.owned = [name for s in self.local for name in runs[s][1]]
         # each weight once: a tied one (embed and decode on this rank) would count twice in the clip's norm
         # and be scaled twice by it
-        self.params = list({id(p): p for s in self.local for p in self.modules[s].parameters()
-                            if p.requires_grad}.values())
+        self._weights = list({id(p): p for s in self.local for p in self.modules[s].parameters()}.values())
         self.dtype = next(model.parameters()).dtype
         if os.environ.get(FAIL_ENV) == str(self.rank):
             self.modules[self.local[0]].fail = True
@@ -124,6 +123,12 @@ class DistributedPipeline:
         self.dropout_seed, self.dropout_step = 0, 0
         self._key: dropout.Position | None = None     # this step's, while it trains
         self._micro_width = self._first_column = 0
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """This rank's weights that train now (a layer frozen or thawed after the pipeline was built counts as
+        it is at the step: clipped and all-reduced, or not)."""
+        return [p for p in self._weights if p.requires_grad]
 
     # -- runner interface ----------------------------------------------------------
     @property
@@ -182,8 +187,8 @@ class DistributedPipeline:
         events = self.recorder.events() if self.recorder.enabled else []
         nll = float(sum(t.double().item() for t in self._nll)) if self.rank == self.last_rank else None
         finite = all_finite([p.grad for p in self.params if p.grad is not None])
-        if not finite and self.bad_before_clip is None:
-            self.bad_before_clip = self._bad_layers()
+        if not finite:
+            self._note_bad_layers()
         gathered = [None] * self.world
         dist.all_gather_object(gathered, (nll, events, finite))   # the loss lives on the last ranks; events on each
         nll = sum(part[0] for part in gathered if part[0] is not None)
@@ -305,18 +310,19 @@ class DistributedPipeline:
 
     def _all_reduce_grads(self) -> None:
         """Sum this rank's gradients over the replicas (one flat buffer, one all-reduce), recorded in the timeline."""
-        if not self.params:      # every layer here is frozen, on every replica of this stage: nothing to sum
+        params = self.params
+        if not params:           # every layer here is frozen, on every replica of this stage: nothing to sum
             return
-        for p in self.params:
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
         start = self.recorder.now()
         dist.all_reduce(flat, group=self.mesh.dp)
         self.recorder.add(ALL_REDUCE, self.local[0], 0, start, self.recorder.now(),
                           flat.numel() * flat.element_size(), "replicas")
         offset = 0
-        for p in self.params:
+        for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,9 +24,11 @@ def shared_origin(rounds: int = 9, same_host: bool | None = None) -> float:
     unknown offset, estimated as the least (arrival - rank 0's sending time) over `rounds` broadcasts
     of rank 0's clock: off by the quickest broadcast's latency. `same_host`: None asks the ranks.
     """
-    if same_host is None:
+    if same_host is None:       # one machine: one host name and one boot (cloned VMs may share a name)
+        boot = Path("/proc/sys/kernel/random/boot_id")
+        here = (socket.gethostname(), boot.read_text().strip() if boot.exists() else "")
         hosts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(hosts, socket.gethostname())
+        dist.all_gather_object(hosts, here)
         same_host = len(set(hosts)) == 1
     if same_host:
         origin = [time.perf_counter()]
