@@ -193,11 +193,12 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     memory_cap: bytes (or "60MB") every device may hold; the fastest candidate within it is
     `Plans.best`. costs: a CostCurve (profile_curve) or one Costs (then other micro-batch
     widths' times are scaled in proportion); bytes are weighed by a dry run at every shape the
-    search meets (a CostCurve keeps them for the next call); None profiles
-    every width the search needs on the first device (slow for big models: profile once and pass it). micro_batches: the counts to try
-    (default: every divisor of the batch width); chunks: the wavefront's time-chunk counts (those over
-    the batch's T are skipped; default 2 and 4). cores and link go to simulate. optimizer_bytes_per_param: optimizer state
-    per byte of trainable weights in every footprint (SGD 0, momentum 1, Adam 2).
+    search meets (a CostCurve keeps them for the next call); None profiles every width the search
+    needs on the first device (slow for big models: profile once and pass it). micro_batches: the
+    counts to try (default: every divisor of the batch width); chunks: the wavefront's time-chunk
+    counts (those over the batch's T are skipped; default 2 and 4). cores and link go to simulate.
+    optimizer_bytes_per_param: optimizer state per byte of trainable weights in every footprint
+    (SGD 0, momentum 1, Adam 2).
     should_stop: a function of no arguments, asked before each candidate is simulated; when it
     returns true the search raises PlanStopped (a search in the background, cancelled because a
     newer one waits).

@@ -562,5 +562,6 @@ def test_ranks_with_the_same_words_in_another_order_are_refused(tmp_path):
     script = tmp_path / "data.py"
     script.write_text(DIFFERENT_DATA)
     proc, _ = torchrun(str(tmp_path / "out"), script=script)
-    assert proc.returncode != 0 and "the ranks were started with different data (rank 0: 3,289 words, sha256" in proc.stderr, proc.stderr
+    assert proc.returncode != 0, proc.stderr
+    assert "the ranks were started with different data (rank 0: 3,289 words, sha256" in proc.stderr, proc.stderr
 
