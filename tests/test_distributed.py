@@ -60,6 +60,20 @@ def test_heartbeat_and_timeout_refuse_values_that_end_every_run(capsys):
     assert (args.heartbeat, args.timeout) == (0, 30)
 
 
+def test_options_a_torchrun_job_does_not_take_are_refused_in_words(capsys):
+    """--resume, --bptt and the others of python -m mpedu train got argparse's "unrecognized arguments"; each now
+    says why a torchrun job does not take it, and none leaves an attribute behind (the recipe reads a missing
+    --bptt as "no stream mode")."""
+    from mpedu.distributed.cli import NOT_OFFERED
+    parser = build_parser()
+    for option in NOT_OFFERED:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["train", option, "1"] if option != "--resume" else ["train", option])
+        assert f"{option} is not offered under torchrun: " in capsys.readouterr().err
+    args = parser.parse_args(["train", "--config", "small"])
+    assert not any(hasattr(args, option[2:].replace("-", "_")) for option in NOT_OFFERED)
+
+
 def test_the_check_fails_when_one_replica_differs():
     ref = {"a": torch.ones(3), "b": torch.zeros(2)}
     same = [{"a": torch.ones(3)}, {"b": torch.zeros(2)}, {"a": torch.ones(3)}, {"b": torch.zeros(2)}]

@@ -36,6 +36,31 @@ SCHEDULE_HELP = ("a schedule name (naive, gpipe, 1f1b, interleaved, zb1; mpedu.s
                  "'1F0 1B0 1F1 1B1': mpedu validates it and torch's runtime plays it as written")
 
 
+# `python -m mpedu train` options a torchrun job does not take, and why
+NOT_OFFERED = {
+    "--bptt": "stream mode carries each sequence's LSTM state into the next batch, and a stage's state cannot "
+              "travel between ranks",
+    "--chunks": "a wavefront's time chunks hand their LSTM state on from chunk to chunk, which cannot travel "
+                "between ranks",
+    "--recompute": "activation recomputation runs in mpedu's own threads only (python -m mpedu train --recompute)",
+    "--memory-cap": "memory caps are checked by mpedu's own pipeline only (python -m mpedu train --memory-cap)",
+    "--link": "the ranks talk over a real link; an emulated one is for virtual devices (python -m mpedu train)",
+    "--resume": "a torchrun job writes no checkpoint, only model.pt at its end",
+    "--checkpoint-every": "a torchrun job writes no checkpoint, only model.pt at its end",
+}
+
+
+class _NotOffered(argparse.Action):
+    """An option of `python -m mpedu train` that a torchrun job refuses, saying why."""
+
+    def __init__(self, *args, why: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not offered under torchrun: {self.why}")
+
+
 def _add_pipeline_options(parser, schedule_help: str) -> None:
     group = parser.add_argument_group("pipeline (one process per device) and data parallelism")
     where = group.add_mutually_exclusive_group()
@@ -86,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "link is real), --resume and --checkpoint-every (no checkpoints: model.pt "
                                         "is written at the end).")
     add_training_options(t, clip_over="all ranks' gradients", resume=False)
+    for option, why in NOT_OFFERED.items():        # said in plain words, not argparse's "unrecognized arguments"
+        # default SUPPRESS: no attribute at all unless given (apply_recipe reads a missing --bptt as "no stream")
+        t.add_argument(option, nargs="?", action=_NotOffered, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                       why=why)
     t.add_argument("--out", default="runs/distributed", metavar="DIR",
                    help="where rank 0 writes model.pt and the timeline (default: runs/distributed)")
     t.add_argument("--limit-batches", type=positive_int, metavar="N",
