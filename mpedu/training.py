@@ -195,6 +195,10 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         raise ValueError("the runner was built on another model than the one given to train (the optimizer "
                          "would update weights whose gradients never come); build it on this model: "
                          "Pipeline(model, ...)")
+    own_clip = getattr(runner, "clip", None)              # a DistributedPipeline built with clip= clips each step
+    if own_clip and clip and own_clip != clip:
+        log(f"note: the runner clips each step's gradients at {own_clip:g} itself, and train's clip={clip:g} clips "
+            f"them again (to the smaller); pass clip=None to train, or build the runner without clip=")
     # built after the runner: the Pipeline moves layers in place, so these are the live Parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     out = Path(out) if out is not None else None

@@ -71,3 +71,18 @@ def test_a_layer_thawed_after_the_pipeline_was_built_is_clipped_with_the_others(
     pipe.clip_grad_norm(1e-3)
     after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in model.parameters()]))
     assert before > 1e-3 and after == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_train_says_when_the_runner_clips_too(one_rank, little):
+    # DistributedPipeline(clip=1.0) clips inside its step; train's own default clip (0.25) then clipped again
+    from conftest import lm
+    from mpedu.training import train
+    model, lines = lm(little), []
+    pipe = DistributedPipeline(model, None, "gpipe", 2, width=8, clip=1.0)
+    for clip in (0.25, None):
+        train(model, little, runner=pipe, epochs=1, batch_size=8, limit_batches=1, clip=clip, progress=False,
+              log=lines.append)
+        said = any("the runner clips each step's gradients at 1 itself, and train's clip=0.25" in line
+                   for line in lines)
+        assert said == (clip is not None), lines
+        lines.clear()
