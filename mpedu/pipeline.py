@@ -303,9 +303,9 @@ class Pipeline:
                     raise RuntimeError(f"the model's layer {name!r} was replaced after this Pipeline was built, "
                                        "which would go on running the old one; build a new Pipeline on the model")
         plan = self._plan(batch)
-        trains = self._which_train()
-        if train and self.memory_cap and trains not in plan.memory_checked:
-            # before the step: nothing has run yet (again when other weights train now: a thawed layer saves more)
+        # before the step: nothing has run yet (again when other weights train now: a thawed layer saves more);
+        # which weights train is read only where a cap is set, off an uncapped pipeline's step
+        if train and self.memory_cap and (trains := self._which_train()) not in plan.memory_checked:
             capacity.check_memory(self.memory_estimate(batch), self._layer_sizes(batch, plan), self.placement,
                                   self.schedule, self.recompute, self.memory_cap, (plan.T, plan.B))
             plan.memory_checked.add(trains)

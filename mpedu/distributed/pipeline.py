@@ -188,7 +188,7 @@ class DistributedPipeline:
         nll = float(sum(t.double().item() for t in self._nll)) if self.rank == self.last_rank else None
         finite = all_finite([p.grad for p in self.params if p.grad is not None])
         if not finite:
-            self._note_bad_layers()
+            self._note_bad_layers(finite=False)
         gathered = [None] * self.world
         dist.all_gather_object(gathered, (nll, events, finite))   # the loss lives on the last ranks; events on each
         nll = sum(part[0] for part in gathered if part[0] is not None)
@@ -334,7 +334,8 @@ class DistributedPipeline:
         local = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
             local += torch.linalg.vector_norm(g).float() ** 2
-        self._note_bad_layers()            # the clip is about to spread a NaN to every layer: note where it was
+        # the clip is about to spread a NaN to every layer: note where it was (the norm says whether there is one)
+        self._note_bad_layers(finite=bool(torch.isfinite(local)))
         dist.all_reduce(local, group=self.mesh.pp)
         total = local.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)   # as torch.nn.utils.clip_grad_norm_
@@ -342,11 +343,15 @@ class DistributedPipeline:
             g.mul_(coef.to(g.dtype))
         return total.item()
 
-    def _note_bad_layers(self) -> None:
+    def _note_bad_layers(self, finite: bool | None = None) -> None:
         """Before a collective that mixes gradients: this rank's non-finite layers ([] when none), unless
-        noted already (the first collective saw them as they came out of the backward)."""
+        noted already (the first collective saw them as they came out of the backward). `finite`: whether
+        every gradient here is, when the caller knows; else one check over them all (a step's usual case
+        costs no per-layer search)."""
         if self.bad_before_clip is None:
-            self.bad_before_clip = self._bad_layers()
+            if finite is None:
+                finite = all_finite([p.grad for p in self.params if p.grad is not None])
+            self.bad_before_clip = [] if finite else self._bad_layers()
 
     def _bad_layers(self) -> list[str]:
         """This rank's layers whose gradients hold a NaN or inf."""
