@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .devices import Worker, get_device, own_cores
+from .devices import Worker, get_device, own_cores, result_of
 from .model import nll_sum
 
 
@@ -58,16 +58,16 @@ def measure_cores(n: int = 2, repeats: int = 5, model=None, batch=None, steps: i
         futures = [w.submit(until(step, stop)) for w, step in zip(workers, jobs)]
         time.sleep(seconds)
         stop.set()
-        return [f.result() for f in futures]
+        return [result_of(f) for f in futures]
 
     ratios = []
     try:
         # Warm every worker up, together: a worker's first steps fault in its own allocator arena,
         # which would count as "the cores are busy" in the first measurement.
         for f in [w.submit(alone(step)) for w, step in zip(workers, jobs)]:
-            f.result()
+            result_of(f)
         for _ in range(repeats):
-            solo = [w.submit(alone(step)).result() for w, step in zip(workers, jobs)]
+            solo = [result_of(w.submit(alone(step))) for w, step in zip(workers, jobs)]
             slower = [t / s for t, s in zip(together(max(solo) * steps), solo)]
             ratios.append(min(n / statistics.mean(slower), float(n)))
     finally:

@@ -10,7 +10,7 @@ import queue
 import re
 import sys
 import threading
-from concurrent.futures import Future, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -348,6 +348,31 @@ class CallerThread:
 
     def join(self) -> None:
         pass
+
+
+CHECK_SIGNALS_S = 0.05     # how long a Ctrl-C may go unnoticed while the caller waits for its workers
+
+
+def wait_interruptibly(futures, return_when=ALL_COMPLETED):
+    """`concurrent.futures.wait` that Ctrl-C interrupts whichever thread the kernel hands the signal to.
+
+    The kernel gives a process-wide SIGINT to any thread that does not block it, a worker's too, and
+    Python runs the handler (which raises KeyboardInterrupt) only on the main thread, once that thread
+    runs. A main thread asleep on a lock is woken by the signal only if the kernel chose it: otherwise
+    it sleeps until the step ends, and the interrupt comes late or not at all. So it wakes every
+    CHECK_SIGNALS_S to run a pending handler (a wake-up 20 times a second costs nothing measurable).
+    """
+    while True:
+        done, pending = wait(futures, timeout=CHECK_SIGNALS_S, return_when=return_when)
+        if not pending or (return_when == FIRST_EXCEPTION
+                           and any(not f.cancelled() and f.exception() is not None for f in done)):
+            return done, pending
+
+
+def result_of(future: Future):
+    """`future.result()`, interruptible by Ctrl-C as `wait_interruptibly` is."""
+    wait_interruptibly([future])
+    return future.result()
 
 
 def wait_uninterrupted(futures) -> None:

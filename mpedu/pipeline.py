@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from concurrent.futures import FIRST_EXCEPTION, wait
+from concurrent.futures import FIRST_EXCEPTION
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -12,7 +12,8 @@ import torch
 from . import capacity, dropout, footprint, schedules, streams
 from .footprint import Footprint, recomputes
 from .clock import Clock
-from .devices import CallerThread, Device, Worker, get_devices, own_cores, stop_workers, wait_uninterrupted
+from .devices import (CallerThread, Device, Worker, get_devices, own_cores, stop_workers, wait_interruptibly,
+                      wait_uninterrupted)
 from .link import Link
 from .mailbox import Aborted, Mailbox
 from .placement import Placement
@@ -334,11 +335,11 @@ class Pipeline:
             for d, (worker, row) in enumerate(zip(self._workers, actions)):
                 futures.append(worker.submit(streams.after(callers.get(worker.device.name), self._device_job(
                     d, row, micro, 1.0 / tokens, train, mailbox, timeline, t0, key, plan))))
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            done, _ = wait_interruptibly(futures, return_when=FIRST_EXCEPTION)
             failed = [f for f in done if f.exception() is not None]
             if failed:
                 mailbox.abort()
-                wait(futures)
+                wait_interruptibly(futures)
                 errors = [f.exception() for f in futures if f.exception() is not None
                           and not isinstance(f.exception(), Aborted)]
                 raise errors[0] if errors else RuntimeError("pipeline step aborted")

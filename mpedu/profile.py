@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from . import dropout
-from .devices import Worker, get_device
+from .devices import Worker, get_device, result_of
 from .footprint import param_sizes
 from .model import nll_sum
 from .options import check_number
@@ -216,7 +216,7 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     layers = [twin.layers[name] for name in model.layer_names]
     worker = Worker(dev)
     try:
-        measured, input_saved = worker.submit(lambda: _measure(layers, micro, dev, warmup, repeats)).result()
+        measured, input_saved = result_of(worker.submit(lambda: _measure(layers, micro, dev, warmup, repeats)))
     finally:
         worker.stop()
     params, trainable = param_sizes(twin, model.layer_names)      # a tied weight once

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import make_batch, reference, tiny_model
+from mpedu.mailbox import Mailbox
 from mpedu.model import nll_sum
 from mpedu.pipeline import Pipeline
 from mpedu.stage import Stage
@@ -159,6 +160,42 @@ def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
         monkeypatch.setattr(Stage, "forward", interrupting)
         with pytest.raises(KeyboardInterrupt):
             pipe.train_step(batch)
+        monkeypatch.undo()
+        model.zero_grad()
+        assert pipe.train_step(batch).loss == pytest.approx(ref_loss, rel=1e-6)
+
+
+def test_ctrl_c_that_lands_in_a_worker_thread_interrupts_the_step(monkeypatch, batch):
+    """The kernel hands a process-directed SIGINT to any thread that does not block it: here, a worker.
+    Python runs the handler only on the main thread, which must notice it while the step still runs
+    (before this fix it slept until the step ended, and the interrupt was lost or came late)."""
+    model = tiny_model()
+    ref_loss, _ = reference(model, batch)
+    original = Stage.forward
+    aborted = threading.Event()
+    real_abort = Mailbox.abort
+
+    def abort(self):
+        aborted.set()
+        real_abort(self)
+
+    seen = {}
+
+    def interrupting(self, mb, chunk, *args, **kwargs):
+        if self.index == 1 and mb == 1:
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)   # delivered to this worker thread
+            seen["abort during the step"] = aborted.wait(10)            # the state asserted, waited for
+        return original(self, mb, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(Mailbox, "abort", abort)
+    with Pipeline(model, BALANCED, "gpipe", micro_batches=4) as pipe:
+        monkeypatch.setattr(Stage, "forward", interrupting)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pipe.train_step(batch)
+        finally:
+            aborted.set()                   # never leave the worker waiting, whatever happened
+        assert seen == {"abort during the step": True}
         monkeypatch.undo()
         model.zero_grad()
         assert pipe.train_step(batch).loss == pytest.approx(ref_loss, rel=1e-6)
