@@ -20,7 +20,7 @@ from .training import CHECKPOINT_EVERY, train
 
 EXAMPLES = """\
 examples:
-  python -m mpedu train                           # tiny model, embedded corpus, 2 virtual devices, GPipe
+  python -m mpedu train                           # laptop model, embedded corpus, 2 virtual devices, GPipe
   python -m mpedu train --devices 1               # the single-device reference run
   python -m mpedu train --placement "embed,lstm0:vgpu0 | lstm1,decode:vgpu1" --schedule 1f1b
   python -m mpedu train --data path/to/ptb --config small   # Zaremba et al.'s small recipe
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         "With no command, runs `train` with its defaults.")
     commands = parser.add_subparsers(dest="command", title="commands", metavar="{train,corpus}")
 
-    t = commands.add_parser("train", help="train the language model (default: 2 virtual devices, GPipe)",
+    t = commands.add_parser("train", help="train the language model (default: laptop model, 2 virtual devices, "
+                            "GPipe)",
                             epilog=EXAMPLES + LR_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
                             description="Train, print one line per epoch, save checkpoint.pt and model.pt in --out.")
     add_training_options(t, clip_over="the gradients")
@@ -66,19 +67,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "whose perplexities describe those batches only")
     t.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     t.add_argument("--no-progress", action="store_true", help="no progress bars (they go to stderr)")
+    t.add_argument("--no-baselines", action="store_true",
+                   help="after training a pipeline, do not measure it beside one virtual device and one device "
+                        "with all cores (a few steps of each, in turn: a few seconds)")
     pipe = t.add_argument_group("pipeline")
     where = pipe.add_mutually_exclusive_group()
-    # default None, resolved to 2 after parsing: argparse treats a value that `is` the default as not
-    # given, so a typed "--devices 2" beside --placement would escape the exclusion
+    # default None, resolved after parsing (the recipe's placement, or 2): argparse treats a value that `is`
+    # the default as not given, so a typed "--devices 2" beside --placement would escape the exclusion
     where.add_argument("--devices", type=positive_int, metavar="N",
                        help="split the layers evenly over N devices (vgpu:0.. on CPU); 1 = the single-device "
-                            "reference runner (default: 2)")
+                            "reference runner, on the cpu with PyTorch's intra-op threads (default: the recipe's "
+                            "placement; laptop: embed,lstm0,lstm1 on vgpu:0 and decode on vgpu:1; others: 2)")
     where.add_argument("--placement", metavar="STR",
                        help='layers to devices, e.g. "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"')
     pipe.add_argument("--schedule", default="gpipe",
                       help="pipeline schedule: naive, gpipe, 1f1b, interleaved, zb1, wavefront (default: gpipe)")
-    pipe.add_argument("--micro-batches", type=positive_int, default=4, metavar="M",
-                      help="micro-batches per batch, at most --batch-size (default: 4)")
+    pipe.add_argument("--micro-batches", type=positive_int, metavar="M",
+                      help="micro-batches per batch, at most --batch-size (default: the recipe's; laptop: 8, "
+                           "others: 4)")
     pipe.add_argument("--chunks", type=positive_int, default=1, metavar="C",
                       help="time chunks per sequence, for --schedule wavefront (default: 1)")
     pipe.add_argument("--memory-cap", type=parse_memory_cap, metavar="SIZE",
@@ -147,6 +153,7 @@ def run_train(args) -> int:
     except OSError as e:     # unreadable (permissions, a folder where a file should be)
         return _error(f"cannot read the corpus in {args.data}: {e.strerror or e} ({e.filename or args.data})")
     recipe = apply_recipe(args)
+    _pipeline_defaults(args, recipe)
     args.resuming = _the_runs_own_settings(args)
     # Settings a schedule cannot meet are refused before one is built (a schedule with a
     # billion micro-batches or chunks would take that long to write down).
@@ -164,6 +171,18 @@ def run_train(args) -> int:
             return _train_in(args, corpus, recipe)
     except OutFolderError as e:
         return _error(str(e))
+
+
+def _pipeline_defaults(args, recipe) -> None:
+    """The recipe's micro-batches and placement where the command line gave none (see build_parser)."""
+    args.micro_batches_given = args.micro_batches is not None
+    if args.micro_batches is None:
+        args.micro_batches = recipe.micro_batches
+    if args.devices is None and args.placement is None:
+        if recipe.placement is not None:
+            args.placement = recipe.placement
+        else:
+            args.devices = 2
 
 
 # what a --resume takes from the checkpoint's run when not given: (where it is kept, a check of the value)
@@ -220,10 +239,11 @@ def _train_in(args, corpus, recipe) -> int:
     except ValueError as e:  # bad placement, schedule, micro-batch count or memory cap
         return _error(str(e))
     pipelined = not isinstance(runner, SingleDevice)
-    if not pipelined and (args.schedule != "gpipe" or args.micro_batches != 4):
+    if not pipelined and (args.schedule != "gpipe" or args.micro_batches_given):
         print("note: --schedule and --micro-batches apply to a pipeline; --devices 1 runs the single-device model")
     where = (f"pipeline {runner.placement}, schedule {runner.schedule.name}, {runner.micro_batches} micro-batches"
-             + (f", link {runner.link}" if runner.link.emulated else "") if pipelined else "single device (cpu)")
+             + (f", link {runner.link}" if runner.link.emulated else "") if pipelined
+             else f"single device (cpu, {torch.get_num_threads()} intra-op threads)")
     print(f"mpedu train: {args.config} model on {corpus.name} ({len(corpus.vocab):,} words, "
           f"{corpus.tokens('train'):,} training tokens); {where}")
     checkpoint = Path(args.out) / "checkpoint.pt"
@@ -279,6 +299,10 @@ def _report(args, corpus, recipe, runner, history, pipelined) -> int:
             return _error(f"cannot write the timeline to --out {args.out}: {why(e)}; the checkpoint and "
                           "model.pt are written", code=1)
         print(f"last step's timeline: {', '.join(str(f) for f in files)} (open the .json in Perfetto or chrome://tracing)")
+    baselines = None
+    if pipelined and not args.no_baselines:
+        baselines = _measure_baselines(args, corpus, runner)
+        print("\n".join(baselines.lines()))
     if args.json:
         summary = {"config": args.config, "data": corpus.name, **history.summary(), "batch_size": args.batch_size,
                    "seed": args.seed, "out": str(Path(args.out)), "runner": "pipeline" if pipelined else "single",
@@ -287,13 +311,27 @@ def _report(args, corpus, recipe, runner, history, pipelined) -> int:
             summary.update(devices=[str(d) for d in runner.devices], placement=str(runner.placement),
                            schedule=runner.schedule.name, micro_batches=runner.micro_batches,
                            link=runner.link.name,
-                           bubble_fraction_over="mean of all training steps")
+                           bubble_fraction_over="mean of all training steps",
+                           **(baselines.summary() if baselines else {}))
         else:
             summary.update(devices=["cpu"])
             summary.pop("bubble_fraction", None)
         print(json_line(summary))
     problem = diverged(history.summary(), recipe.lr)
     return _error(problem, code=1) if problem else 0
+
+
+def _measure_baselines(args, corpus, runner):
+    """The trained pipeline beside one virtual device and one all-cores device, on a few training batches."""
+    import itertools
+
+    from .baselines import measure_baselines
+    from .training import make_batches
+    batches = make_batches(corpus.train, args.batch_size, bptt=args.bptt, shuffle=True, seed=args.seed)
+    return measure_baselines(runner, itertools.islice(batches, BASELINE_BATCHES))
+
+
+BASELINE_BATCHES = 4      # per runner and round: a few seconds in all for the default model
 
 
 def run_corpus(args) -> int:
@@ -318,8 +356,6 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train"] + argv         # no command: `train`, with the options given
     parser = build_parser()
     args = parser.parse_args(join_dash_values(parser, argv) or ["train"])
-    if args.command == "train" and args.devices is None and args.placement is None:
-        args.devices = 2                # --devices's default (see build_parser)
     world = os.environ.get("WORLD_SIZE", "1")
     if args.command == "train" and world.isdigit() and int(world) > 1:
         # under torchrun each process would train the whole model on its own, in the same --out

@@ -30,13 +30,14 @@ class CheckpointError(ValueError):
 
 
 def _config_name(config: LMConfig) -> str:
-    """The CONFIGS name of `config`, or "custom" when its sizes match none."""
+    """The first CONFIGS name of `config`, or "custom" when its sizes match none."""
     return next((name for name, c in CONFIGS.items() if c == config), "custom")
 
 
 def _describe(config: dict, vocab_size: int) -> str:
-    name = _config_name(LMConfig(**config))
-    return (f"'{name}' model (embed {config['embed_size']}, hidden {config['hidden_size']}, "
+    # every name of its sizes ('laptop' / 'small' share theirs), in alphabetical order
+    names = " / ".join(sorted(f"'{name}'" for name, c in CONFIGS.items() if c == LMConfig(**config))) or "'custom'"
+    return (f"{names} model (embed {config['embed_size']}, hidden {config['hidden_size']}, "
             f"{config['num_layers']} LSTM layers, {vocab_size:,}-word vocabulary)")
 
 

@@ -107,30 +107,32 @@ def link_help() -> str:
             "Or LATENCY,BANDWIDTH, e.g. 5ms,10MB/s. Virtual devices only: GPUs copy for real")
 
 
-def add_training_options(parser: argparse.ArgumentParser, clip_over: str, resume: bool = True) -> None:
+def add_training_options(parser: argparse.ArgumentParser, clip_over: str, resume: bool = True,
+                         config: str = CONFIG) -> None:
     """The options every `train` command takes (here and under torchrun), with the same checks.
-    `resume`: the command has --resume (its --lr help says what a given lr does then)."""
+    `resume`: the command has --resume (its --lr help says what a given lr does then); `config`: the
+    default --config."""
     parser.add_argument("--data", metavar="DIR", help="folder with ptb.train.txt, ptb.valid.txt and ptb.test.txt "
                         "(default: the embedded synthetic corpus)")
     # --epochs, --batch-size, --lr and --clip default to None: the --config's recipe fills them
     # (apply_recipe), so that what the user gave can be told apart and wins.
-    tiny = recipe_for(CONFIG)
-    parser.add_argument("--config", choices=list(CONFIGS), default=CONFIG,
-                        help=f"model size, and the recipe it is trained with (default: {CONFIG})")
-    parser.add_argument("--epochs", type=positive_int, help=f"default: the recipe's ({CONFIG}: {tiny.epochs})")
+    default = recipe_for(config)
+    parser.add_argument("--config", choices=list(CONFIGS), default=config,
+                        help=f"model size, and the recipe it is trained with (default: {config})")
+    parser.add_argument("--epochs", type=positive_int, help=f"default: the recipe's ({config}: {default.epochs})")
     parser.add_argument("--batch-size", type=positive_int, metavar="B",
-                        help=f"sentences (or stream columns) per batch (default: the recipe's; {CONFIG}: "
-                             f"{tiny.batch_size})")
+                        help=f"sentences (or stream columns) per batch (default: the recipe's; {config}: "
+                             f"{default.batch_size})")
     parser.add_argument("--lr", type=positive_float,
                         help=f"SGD learning rate for a loss that is the mean NLL per token (a paper's lr for a "
                              f"loss summed over T time steps is about lr x T here); decayed by the recipe's rule "
-                             f"(default: the recipe's; {CONFIG}: {tiny.lr:g}, halved when validation "
+                             f"(default: the recipe's; {config}: {default.lr:g}, halved when validation "
                              f"perplexity gains < 1)"
                              + (". Given on --resume and unlike the run's first lr, it replaces the checkpoint's"
                                 if resume else ""))
     parser.add_argument("--clip", type=non_negative_float,
-                        help=f"norm clip over {clip_over}, 0 for none (default: the recipe's; {CONFIG}: "
-                             f"{tiny.clip:g})")
+                        help=f"norm clip over {clip_over}, 0 for none (default: the recipe's; {config}: "
+                             f"{default.clip:g})")
     parser.add_argument("--seed", type=count, default=0,
                         help="fixes the run: initialisation, data order and dropout masks, which depend on "
                              "(seed, step, layer, position) only, so every placement and schedule draws the "

@@ -95,6 +95,14 @@ def reference(model, batch):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: may run on CUDA GPUs; unmarked tests see only virtual devices")
+    config.addinivalue_line("markers", "notebooks: a notebook's cell under nbval (every item of notebooks/*.ipynb)")
+
+
+@pytest.hookimpl(tryfirst=True)         # before -m deselects: `-m "not notebooks"` leaves the course out
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.notebooks)
 
 
 @pytest.fixture(autouse=True)

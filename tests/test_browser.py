@@ -217,8 +217,8 @@ def _stop(process: subprocess.Popen, runtime: Path) -> None:
                 os.kill(int(cmdline.parent.name), signal.SIGKILL)
 
 
-# -- fixtures --------------------------------------------------------------------------------------
-@pytest.fixture
+# -- fixtures: one server, one browser and one run of the notebook per front end, its tests in turn ---
+@pytest.fixture(scope="module")
 def sync_playwright():
     """Playwright's sync API, once Debian's Chromium and the playwright package are both there."""
     if not os.path.exists(CHROMIUM):
@@ -230,13 +230,14 @@ def sync_playwright():
     return sync_playwright
 
 
-@pytest.fixture(params=FRONT_ENDS, ids=lambda front_end: front_end.id)
-def server(request, tmp_path):
+@pytest.fixture(scope="module", params=FRONT_ENDS, ids=lambda front_end: front_end.id)
+def server(request, tmp_path_factory):
     """The front end on 127.0.0.1 serving a copy of notebook 04, with fresh home, config, data, settings, runtime
     and workspace folders, in its own process group (stopped whole at the end)."""
     front_end = request.param
     if importlib.util.find_spec(front_end.module) is None:
         _missing(f"the {front_end.module} package is missing", "pip install -e '.[notebooks]'")
+    tmp_path = tmp_path_factory.mktemp(front_end.id)
     dirs = {name: tmp_path / name for name in ("home", "tmp", "config", "data", "settings", "runtime",
                                                "workspaces", "work")}
     for folder in dirs.values():
@@ -270,13 +271,13 @@ def server(request, tmp_path):
         _stop(process, dirs["runtime"])
 
 
-# -- the tests -------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _notebook_run(sync_playwright, server: Server, tmp_path: Path):
-    """A browser page on the served notebook once every cell has run; on a failure, a screenshot and the log."""
+@pytest.fixture(scope="module")
+def page(sync_playwright, server, tmp_path_factory):
+    """A browser page on the served notebook once every cell has run. Running the notebook is most of a front
+    end's time, so its tests share one page, in the file's order, each starting from the state the last left."""
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
-        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        context = browser.new_context(viewport=VIEWPORT)
         # 127.0.0.1 only: anything else (Voilà's icon stylesheet on a CDN) fails at once. A pattern, not a
         # function: the browser matches it itself, while a function would hold every request until Python
         # next talks to Playwright (a wait on the server alone would then stall the page).
@@ -284,20 +285,33 @@ def _notebook_run(sync_playwright, server: Server, tmp_path: Path):
         page = context.new_page()
         page.set_default_timeout(30_000)
         try:
-            page.goto(f"{server.base}{server.front_end.path(NOTEBOOK)}?token={server.token}", wait_until="commit")
-            server.front_end.run_all(page, server)
+            with _look_here_on_failure(page, server, tmp_path_factory.mktemp("run-all")):
+                page.goto(f"{server.base}{server.front_end.path(NOTEBOOK)}?token={server.token}",
+                          wait_until="commit")
+                server.front_end.run_all(page, server)
             yield page
-        except BaseException:
-            with contextlib.suppress(Exception):                   # look here when it fails
-                page.screenshot(path=str(tmp_path / "failure.png"))
-                print(f"--- {server.log.name} (last 4000 characters) ---\n{server.log.read_text()[-4000:]}")
-            raise
         finally:
             browser.close()
 
 
-def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(sync_playwright, server, tmp_path):
-    with _notebook_run(sync_playwright, server, tmp_path) as page:
+VIEWPORT = {"width": 1400, "height": 1000}
+
+
+@contextlib.contextmanager
+def _look_here_on_failure(page, server: Server, folder: Path):
+    """On a failure, a screenshot of the page in `folder` and the end of the server's log."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):
+            page.screenshot(path=str(folder / "failure.png"))
+            print(f"--- {server.log.name} (last 4000 characters) ---\n{server.log.read_text()[-4000:]}")
+        raise
+
+
+# -- the tests -------------------------------------------------------------------------------------
+def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(page, server, tmp_path):
+    with _look_here_on_failure(page, server, tmp_path):
         _drag_a_layer_and_train(page, server)
         _a_change_during_a_drag_is_drawn_when_it_ends(page, server)
         _a_refused_choice_leaves_nothing_stale(page, server)
@@ -308,10 +322,13 @@ def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(sync_playwri
 
 
 @pytest.mark.parametrize("server", FRONT_ENDS[:1], ids=[FRONT_ENDS[0].id], indirect=True)   # JupyterLab only
-def test_a_best_plan_row_puts_its_placement_on_the_board(sync_playwright, server, tmp_path):
-    """Clicking a row's "apply" in the best plans: the kernel takes the row's plan and the page draws its chips."""
-    with _notebook_run(sync_playwright, server, tmp_path) as page:
+def test_a_best_plan_row_puts_its_placement_on_the_board(page, server, tmp_path):
+    """Clicking a row's "apply" in the best plans: the kernel takes the row's plan and the page draws its chips.
+    It runs on the page the drag scenario left (whatever the board shows, a row with another placement is found)."""
+    page.set_viewport_size(VIEWPORT)                            # the last test left a laptop's screen size
+    with _look_here_on_failure(page, server, tmp_path):
         explorer = page.locator(".mpedu-explorer").last
+        explorer.scroll_into_view_if_needed()
         before = _settled(page, server)
         rows = explorer.locator(".mpedu-plan")
         _wait_for(lambda: rows.count() > 0, 30, "the best plans to be listed")
@@ -320,8 +337,8 @@ def test_a_best_plan_row_puts_its_placement_on_the_board(sync_playwright, server
                               for t in rows.all_inner_texts()]
         texts = placements()
         if all(t == before["placement"] for t in texts):
-            # The machine's measured costs can make every best plan share the split the notebook left on the
-            # board: move a layer first, as a person would, so that applying a row changes it.
+            # The machine's measured costs can make every best plan share the split already on the board:
+            # move a layer first, as a person would, so that applying a row changes it.
             before = _move_one_layer_by_keyboard(page, server)
             _wait_for(lambda: rows.count() > 0, 30, "the best plans to be listed again")
             texts = placements()

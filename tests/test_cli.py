@@ -98,14 +98,19 @@ def test_a_bad_data_folder_exits_2_naming_it(capsys, tmp_path):
     assert code == 2 and "ptb.valid.txt" in err
 
 
-def test_no_arguments_means_train_on_two_virtual_devices_with_gpipe(monkeypatch):
+def test_no_arguments_means_train_on_two_virtual_devices_with_gpipe(monkeypatch, tmp_path):
+    # the main job: the laptop model, its recipe's split over two virtual devices, GPipe with 8 micro-batches
     seen = []
-    monkeypatch.setattr(cli, "run_train", lambda args: seen.append(args) or 0)
+    monkeypatch.chdir(tmp_path)                                          # runs/latest is made here
+    monkeypatch.setattr(cli, "_train_in", lambda args, corpus, recipe: seen.append(args) or 0)
     assert main([]) == 0
     args = seen[0]
     assert (args.command, args.devices, args.placement, args.schedule, args.micro_batches) == (
-        "train", 2, None, "gpipe", 4)
-    assert (args.config, args.out, args.data, args.resume) == ("tiny", "runs/latest", None, False)
+        "train", None, "embed,lstm0,lstm1:vgpu0 | decode:vgpu1", "gpipe", 8)
+    assert (args.config, args.out, args.data, args.resume) == ("laptop", "runs/latest", None, False)
+    seen.clear()                                                         # another config: its own defaults
+    assert main(["--config", "tiny"]) == 0
+    assert (seen[0].devices, seen[0].placement, seen[0].micro_batches) == (2, None, 4)
 
 
 def test_bad_numbers_are_argparse_errors(capsys):
@@ -384,16 +389,24 @@ def _train_kwargs(monkeypatch, capsys, *args):
     return seen[0], out
 
 
-def test_the_default_run_keeps_the_trainers_defaults(monkeypatch, capsys, tmp_path):
+def test_the_tiny_run_keeps_the_trainers_defaults_and_the_default_run_is_the_laptop_recipe(monkeypatch, capsys,
+                                                                                            tmp_path):
     import inspect
     import importlib
+    from mpedu.recipes import RECIPES
     training = importlib.import_module("mpedu.training")   # the module (`mpedu.train` is the function)
-    kwargs, out = _train_kwargs(monkeypatch, capsys, "--out", str(tmp_path))
+    kwargs, out = _train_kwargs(monkeypatch, capsys, "--config", "tiny", "--out", str(tmp_path))
     defaults = inspect.signature(training.train).parameters
     assert (kwargs["lr"], kwargs["epochs"], kwargs["batch_size"], kwargs["clip"]) == (
         training.LR, defaults["epochs"].default, defaults["batch_size"].default, defaults["clip"].default)
     assert kwargs["bptt"] is None and kwargs["lr_decay"] is None
     assert "recipe 'tiny'" in out and "given" not in out.splitlines()[0]
+    kwargs, out = _train_kwargs(monkeypatch, capsys, "--out", str(tmp_path / "laptop"))
+    laptop = RECIPES["laptop"]
+    assert (kwargs["lr"], kwargs["epochs"], kwargs["batch_size"], kwargs["clip"]) == (
+        laptop.lr, laptop.epochs, laptop.batch_size, laptop.clip)
+    assert kwargs["bptt"] is None and kwargs["lr_decay"] is None
+    assert "recipe 'laptop'" in out and "given" not in out.splitlines()[0]
 
 
 def test_small_follows_zaremba_in_mpedus_units_and_given_options_win(monkeypatch, capsys, tmp_path):

@@ -103,7 +103,8 @@ def test_a_stopped_rank_ends_every_process_naming_it(tmp_path):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "mpedu.distributed", "train",
-           "--epochs", "50", "--out", str(tmp_path), "--no-progress"]    # long enough to be stopped mid-run
+           "--epochs", "50", "--out", str(tmp_path), "--no-progress",    # long enough to be stopped mid-run
+           "--heartbeat", "10"]                 # the watchdog's limit, 45 s by default, shortened
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if Path("/sys/class/net/lo").exists():

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ..heartbeat import LIMIT as HEARTBEAT
 from ..model import CONFIGS
 from ..options import add_training_options, count, join_dash_values, non_negative_float, positive_int
-from ..recipes import CONFIG
+from ..recipes import TORCHRUN_CONFIG
 from .group import TIMEOUT, stop_heartbeat
 
 EXAMPLES = """\
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "cross ranks), --chunks, --recompute, --memory-cap, --link (the ranks' "
                                         "link is real), --resume and --checkpoint-every (no checkpoints: model.pt "
                                         "is written at the end).")
-    add_training_options(t, clip_over="all ranks' gradients", resume=False)
+    add_training_options(t, clip_over="all ranks' gradients", resume=False, config=TORCHRUN_CONFIG)
     for option, why in NOT_OFFERED.items():        # said in plain words, not argparse's "unrecognized arguments"
         # default SUPPRESS: no attribute at all unless given (apply_recipe reads a missing --bptt as "no stream")
         t.add_argument(option, nargs="?", action=_NotOffered, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "when every schedule gives the one-process numbers. With --out, "
                                         "every rank writes its gradients there.")
     c.add_argument("--data", metavar="DIR", help="corpus folder (default: the embedded corpus)")
-    c.add_argument("--config", choices=list(CONFIGS), default=CONFIG)
+    c.add_argument("--config", choices=list(CONFIGS), default=TORCHRUN_CONFIG)
     c.add_argument("--batch-size", type=positive_int, default=16, metavar="B")
     c.add_argument("--seed", type=count, default=0)
     c.add_argument("--dropout", type=float, default=0.0, metavar="P",
