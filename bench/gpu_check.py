@@ -263,7 +263,8 @@ def step_train(check: Check):
     with tempfile.TemporaryDirectory() as out:
         for name, placement in (("gpu", gpu), ("virtual", virtual)):
             # NVIDIA_TF32_OVERRIDE=0: cuDNN and cuBLAS in plain fp32, as on the CPU
-            proc = _run([sys.executable, "-m", "mpedu", "train", "--placement", placement, "--epochs", "1",
+            proc = _run([sys.executable, "-m", "mpedu", "train", "--config", "tiny", "--placement", placement,
+                         "--epochs", "1", "--no-baselines",
                          "--limit-batches", str(check.batches), "--json", "--no-progress", "--out",
                          str(Path(out) / name)], timeout=check.left(90), env={"NVIDIA_TF32_OVERRIDE": "0"})
             if proc.returncode != 0:

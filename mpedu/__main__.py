@@ -17,6 +17,7 @@ from .options import (add_training_options, apply_recipe, count, join_dash_value
 from .recipes import RECIPES
 from .single import SingleDevice
 from .training import CHECKPOINT_EVERY, train
+from .wording import plural
 
 EXAMPLES = """\
 examples:
@@ -243,7 +244,7 @@ def _train_in(args, corpus, recipe) -> int:
         print("note: --schedule and --micro-batches apply to a pipeline; --devices 1 runs the single-device model")
     where = (f"pipeline {runner.placement}, schedule {runner.schedule.name}, {runner.micro_batches} micro-batches"
              + (f", link {runner.link}" if runner.link.emulated else "") if pipelined
-             else f"single device (cpu, {torch.get_num_threads()} intra-op threads)")
+             else f"single device (cpu, {plural(torch.get_num_threads(), 'intra-op thread')})")
     print(f"mpedu train: {args.config} model on {corpus.name} ({len(corpus.vocab):,} words, "
           f"{corpus.tokens('train'):,} training tokens); {where}")
     checkpoint = Path(args.out) / "checkpoint.pt"
@@ -300,7 +301,7 @@ def _report(args, corpus, recipe, runner, history, pipelined) -> int:
                           "model.pt are written", code=1)
         print(f"last step's timeline: {', '.join(str(f) for f in files)} (open the .json in Perfetto or chrome://tracing)")
     baselines = None
-    if pipelined and not args.no_baselines:
+    if pipelined and not args.no_baselines and history.summary().get("steps"):    # after training steps only
         baselines = _measure_baselines(args, corpus, runner)
         print("\n".join(baselines.lines()))
     if args.json:

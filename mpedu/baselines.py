@@ -28,6 +28,7 @@ from .devices import usable_cores
 from .pipeline import Pipeline
 from .placement import Placement
 from .runner import fit_width
+from .wording import plural
 from .single import SingleDevice
 
 ROUNDS = 3
@@ -56,7 +57,7 @@ class Baselines:
             f"{self.devices} virtual devices (a core each) {self.pipeline:,.0f} tokens/s",
             f"  one virtual device (the whole model on one core): {self.one_virtual_device:,.0f} tokens/s, "
             f"so the pipeline is {self.speedup:.2f}x as fast",
-            f"  one device with all cores ({self.threads} intra-op threads, as --devices 1 runs): "
+            f"  one device with all cores ({plural(self.threads, 'intra-op thread')}, as --devices 1 runs): "
             f"{self.all_cores:,.0f} tokens/s, so the pipeline is {against:.2f}x as fast"
             + ("" if against >= 1 else ": on a CPU, PyTorch's threads split each operation with no bubble "
                "and no hand-off"),

@@ -190,6 +190,23 @@ def test_default_runner_is_a_two_device_gpipe_pipeline(capsys, tmp_path):
     assert (tmp_path / "last_step.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_pipeline_run_ends_measured_beside_one_virtual_device_and_all_cores(capsys, tmp_path):
+    code, out, err = run(capsys, "train", *QUICK, "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert "rounds in turn on the same batches: this pipeline on 2 virtual devices" in lines[-4]
+    assert "one virtual device (the whole model on one core)" in lines[-3]
+    assert f"one device with all cores ({len(os.sched_getaffinity(0))} intra-op threads" in lines[-2]
+    summary = last_json(out)
+    assert summary["pipeline_vs_one_virtual_device"] == pytest.approx(
+        summary["tokens_per_s_pipeline"] / summary["tokens_per_s_one_virtual_device"], rel=1e-2)
+    code, out, err = run(capsys, "train", *QUICK, "--out", str(tmp_path / "none"), "--json", "--no-baselines")
+    assert code == 0 and "rounds in turn" not in out and "tokens_per_s_pipeline" not in last_json(out)
+    code, out, err = run(capsys, "train", *QUICK, "--devices", "1", "--out", str(tmp_path / "one"))
+    assert code == 0 and f"single device (cpu, {torch.get_num_threads()} intra-op thread" in out
+    assert "rounds in turn" not in out
+
+
 def test_wavefront_with_time_chunks_from_the_command_line(capsys, tmp_path):
     code, out, err = run(capsys, "train", *QUICK, "--out", str(tmp_path), "--json", "--schedule", "wavefront",
                          "--chunks", "3", "--micro-batches", "1")
@@ -482,5 +499,5 @@ def test_under_torchrun_the_one_process_command_points_to_the_distributed_one(mo
     assert "WORLD_SIZE=2 says 2 were started together" in err and "-m mpedu.distributed train" in err
     assert not any(tmp_path.iterdir())                                   # nothing written
     monkeypatch.setenv("WORLD_SIZE", "1")                                # one process: trains as ever
-    assert cli.main(["train", "--out", str(tmp_path), "--limit-batches", "1", "--epochs", "1",
+    assert cli.main(["train", "--config", "tiny", "--out", str(tmp_path), "--limit-batches", "1", "--epochs", "1",
                      "--no-progress"]) == 0

@@ -232,8 +232,8 @@ def test_bad_corpus_files_exit_2_naming_the_file(capsys, tmp_path, content, word
 
 def test_one_huge_sentence_trains(capsys, tmp_path):
     folder = _corpus(tmp_path / "data", b" ".join(b"w%d" % (k % 50) for k in range(3000)) + b"\n")
-    code = cli.main(["train", "--data", str(folder), "--epochs", "1", "--limit-batches", "1", "--no-progress",
-                     "--out", str(tmp_path / "out"), "--json"])
+    code = cli.main(["train", "--config", "tiny", "--data", str(folder), "--epochs", "1", "--limit-batches", "1",
+                     "--no-progress", "--out", str(tmp_path / "out"), "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out.strip().splitlines()[-1])["epochs"] == 1
