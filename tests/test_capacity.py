@@ -105,8 +105,8 @@ def test_a_refusal_with_chunks_of_two_lengths_names_a_placement_that_fits(m, chu
 
 
 def test_memory_cap_from_the_command_line(capsys, tmp_path):
-    quick = ["train", "--epochs", "1", "--limit-batches", "2", "--batch-size", "16", "--no-progress",
-             "--out", str(tmp_path)]
+    quick = ["train", "--config", "tiny", "--epochs", "1", "--limit-batches", "2", "--batch-size", "16",
+             "--no-progress", "--no-baselines", "--out", str(tmp_path)]
     assert cli.main([*quick, "--memory-cap", "vgpu:0=100kB"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mpedu: error: vgpu:0 needs") and "memory_cap 100 kB" in err and "fits" in err

@@ -20,7 +20,9 @@ from mpedu.history import History
 
 ROOT = Path(__file__).resolve().parents[1]
 PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
-QUICK = ["--config", "tiny", "--epochs", "1", "--limit-batches", "4", "--batch-size", "16", "--no-progress"]
+# a quick run; --no-baselines: its pipeline's measurement beside one device is tested once, on its own
+QUICK = ["--config", "tiny", "--epochs", "1", "--limit-batches", "4", "--batch-size", "16", "--no-progress",
+         "--no-baselines"]
 KEYS = {"config", "epochs", "train_ppl", "valid_ppl", "test_ppl", "tokens_per_s"}
 
 
@@ -191,7 +193,8 @@ def test_default_runner_is_a_two_device_gpipe_pipeline(capsys, tmp_path):
 
 
 def test_a_pipeline_run_ends_measured_beside_one_virtual_device_and_all_cores(capsys, tmp_path):
-    code, out, err = run(capsys, "train", *QUICK, "--out", str(tmp_path), "--json")
+    measured = [a for a in QUICK if a != "--no-baselines"]
+    code, out, err = run(capsys, "train", *measured, "--out", str(tmp_path), "--json")
     assert code == 0, err
     lines = out.strip().splitlines()
     assert "rounds in turn on the same batches: this pipeline on 2 virtual devices" in lines[-4]
@@ -200,9 +203,9 @@ def test_a_pipeline_run_ends_measured_beside_one_virtual_device_and_all_cores(ca
     summary = last_json(out)
     assert summary["pipeline_vs_one_virtual_device"] == pytest.approx(
         summary["tokens_per_s_pipeline"] / summary["tokens_per_s_one_virtual_device"], rel=1e-2)
-    code, out, err = run(capsys, "train", *QUICK, "--out", str(tmp_path / "none"), "--json", "--no-baselines")
+    code, out, err = run(capsys, "train", *measured, "--out", str(tmp_path / "none"), "--json", "--no-baselines")
     assert code == 0 and "rounds in turn" not in out and "tokens_per_s_pipeline" not in last_json(out)
-    code, out, err = run(capsys, "train", *QUICK, "--devices", "1", "--out", str(tmp_path / "one"))
+    code, out, err = run(capsys, "train", *measured, "--devices", "1", "--out", str(tmp_path / "one"))
     assert code == 0 and f"single device (cpu, {torch.get_num_threads()} intra-op thread" in out
     assert "rounds in turn" not in out
 

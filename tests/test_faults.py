@@ -130,8 +130,8 @@ def test_cli_numeric_fault_exits_1_and_skip_reports_in_the_summary(capsys, tmp_p
         return result if calls[0] != 2 else type(result)(math.inf, math.inf, result.tokens, result.timeline)
 
     monkeypatch.setattr(Pipeline, "train_step", flaky)
-    quick = ["train", "--epochs", "1", "--limit-batches", "3", "--batch-size", "16", "--no-progress", "--out",
-             str(tmp_path)]
+    quick = ["train", "--config", "tiny", "--epochs", "1", "--limit-batches", "3", "--batch-size", "16",
+             "--no-progress", "--no-baselines", "--out", str(tmp_path)]
     assert cli.main(quick) == 1
     err = capsys.readouterr().err
     assert err.startswith("mpedu: error: training diverged at step 2: loss inf at epoch 1, batch 1")

@@ -188,7 +188,7 @@ def test_simulator_and_engine_agree_that_cuts_cost_on_a_slow_link():
 
 def test_the_command_line_takes_a_link_and_names_it(capsys, tmp_path):
     quick = ["--config", "tiny", "--epochs", "1", "--limit-batches", "1", "--batch-size", "8", "--no-progress",
-             "--out", str(tmp_path)]
+             "--no-baselines", "--out", str(tmp_path)]
     assert main(["train", *quick, "--link", "pcie4/1000", "--json"]) == 0
     out = capsys.readouterr().out
     assert json.loads(out.strip().splitlines()[-1])["link"] == "pcie4/1000"

@@ -173,7 +173,7 @@ def test_a_widened_pipelines_state_goes_on_in_its_first_columns(little):
 # ---------------------------------------------------------------- kill -9 and resume
 
 ARGS = ["train", "--config", "tiny", "--epochs", "3", "--limit-batches", "6", "--batch-size", "16", "--lr", "5",
-        "--checkpoint-every", "2", "--no-progress"]
+        "--checkpoint-every", "2", "--no-progress", "--no-baselines"]
 
 
 def _start(out: Path, *extra, slow: str | None = None):
@@ -347,7 +347,8 @@ def test_resume_on_another_device_count_is_close(little, tmp_path, placement):
 
 
 def test_cli_resumes_a_two_device_run_on_one_device(capsys, tmp_path):
-    quick = ["--config", "tiny", "--limit-batches", "3", "--batch-size", "16", "--no-progress", "--out", str(tmp_path)]
+    quick = ["--config", "tiny", "--limit-batches", "3", "--batch-size", "16", "--no-progress", "--no-baselines",
+             "--out", str(tmp_path)]
     assert cli.main(["train", "--devices", "2", "--epochs", "1", *quick]) == 0
     capsys.readouterr()
     assert cli.main(["train", "--devices", "1", "--epochs", "2", "--resume", "--json", *quick]) == 0
