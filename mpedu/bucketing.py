@@ -147,6 +147,19 @@ def _pad_columns(seqs: list[torch.Tensor], T: int) -> torch.Tensor:
     return torch.nn.functional.pad(out, (0, 0, 0, T - out.shape[0]), value=PAD_ID)
 
 
+def _inputs_and_targets(pieces: list[tuple[torch.Tensor, int, int]], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, n) inputs and targets of n pieces (sentence, start, length), one per column, <pad> below each end.
+    A piece's inputs are its targets one step later, after the token before it: <eos> at a sentence's start,
+    else the previous piece's last target. Built per bucket, not per sentence: a corpus has tens of thousands."""
+    targets = _pad_columns([s[start:start + n] for s, start, n in pieces], T)
+    inputs = torch.full_like(targets, PAD_ID)
+    inputs[0] = torch.tensor([EOS_ID if start == 0 else s[start - 1] for s, start, _ in pieces], dtype=targets.dtype)
+    inputs[1:] = targets[:-1]
+    lengths = torch.tensor([n for _, _, n in pieces])
+    inputs[torch.arange(T)[:, None] >= lengths[None, :]] = PAD_ID      # no input after a piece's last target
+    return inputs, targets
+
+
 class BucketIterator:
     """Batches of similar-length sentences, padded to their bucket length; the LSTM state is reset each batch.
 
@@ -178,16 +191,14 @@ class BucketIterator:
 
         cap, pieces = self.buckets[-1], {b: [] for b in self.buckets}
         self.split_sentences = 0
-        for s in sentences:
-            inputs = torch.cat([s.new_tensor([EOS_ID]), s[:-1]])  # [<eos>, w1, ..., wn]
-            self.split_sentences += len(s) > cap
-            for start in range(0, len(s), cap):
-                n = min(cap, len(s) - start)
+        for s, length in zip(sentences, self.lengths):
+            self.split_sentences += length > cap
+            for start in range(0, length, cap):
+                n = min(cap, length - start)
                 bucket = self.buckets[bisect.bisect_left(self.buckets, n)]  # the smallest that holds n
-                pieces[bucket].append((inputs[start:start + n], s[start:start + n]))
+                pieces[bucket].append((s, start, n))
         # One padded (b, n_b) tensor pair per bucket; a batch is a choice of columns.
-        self._data = {b: (_pad_columns([x for x, _ in items], b), _pad_columns([y for _, y in items], b))
-                      for b, items in pieces.items() if items}
+        self._data = {b: _inputs_and_targets(items, b) for b, items in pieces.items() if items}
         if drop_last and len(self) == 0:
             raise ValueError(f"drop_last=True leaves no batch: no bucket holds {self.batch_size} sentences; use a "
                              "smaller batch_size, fewer buckets, or drop_last=False")
