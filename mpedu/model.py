@@ -109,7 +109,7 @@ class LSTMLM(nn.Module):
 
     @classmethod
     def from_config(cls, name: str, vocab_size: int, **overrides) -> "LSTMLM":
-        """Build a named config (`tiny`, `small`, `medium`, `large`, `mxnet8`), optionally overriding fields."""
+        """Build a named config (`tiny`, `small`, `laptop`, `medium`, `large`, `mxnet8`), optionally overriding fields."""
         if name not in CONFIGS:
             raise ValueError(f"unknown model config {name!r}; choose one of {', '.join(CONFIGS)}")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):

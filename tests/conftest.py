@@ -96,6 +96,7 @@ def reference(model, batch):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: may run on CUDA GPUs; unmarked tests see only virtual devices")
     config.addinivalue_line("markers", "notebooks: a notebook's cell under nbval (every item of notebooks/*.ipynb)")
+    config.addinivalue_line("markers", "torchrun: starts torchrun jobs of 2 or 4 processes (tests/test_distributed.py)")
 
 
 @pytest.hookimpl(tryfirst=True)         # before -m deselects: `-m "not notebooks"` leaves the course out

@@ -88,8 +88,11 @@ def test_the_check_fails_when_one_replica_differs():
 
 # -- under torchrun: 2 processes, gloo, 127.0.0.1 ------------------------------------------
 
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+def torchrun_job(test):
+    """A test that starts torchrun jobs (gloo on 127.0.0.1; about 14 s of CPU each to start): skipped without
+    gloo, and marked `torchrun`, so that -m "not torchrun" leaves them out of a quick run."""
+    no_gloo = not dist.is_available() or not dist.is_gloo_available()
+    return pytest.mark.torchrun(pytest.mark.skipif(no_gloo, reason="torch.distributed with gloo is missing")(test))
 
 
 def _free_port() -> int:
@@ -133,7 +136,7 @@ def assert_trained_as_one_process(summary, model_file):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@needs_gloo
+@torchrun_job
 def test_gpipe_1f1b_and_a_hand_written_schedule_give_the_loss_and_gradients_of_one_process(tmp_path):
     (tmp_path / "mine.txt").write_text(HAND)      # run as written: mpedu validates it, torch's runtime plays it
     proc, _ = torchrun("check", "--schedule", f"gpipe,1f1b,{tmp_path / 'mine.txt'}", "--micro-batches", "4",
@@ -177,7 +180,7 @@ def test_gpipe_1f1b_and_a_hand_written_schedule_give_the_loss_and_gradients_of_o
     assert rank1 == HAND.splitlines()[2].split()
 
 
-@needs_gloo
+@torchrun_job
 def test_train_gives_the_single_process_result(tmp_path):
     # --runtime torch: PyTorch's own Schedule1F1B (the 4-process test below trains with mpedu's action lists)
     proc, _ = torchrun("train", "--limit-batches", "2", "--epochs", "1", "--schedule", "1f1b", "--json",
@@ -218,6 +221,7 @@ dist.destroy_process_group()
 """
 
 
+NAN_CASES = ("weight", "gradient", "clipped")
 NAN_WEIGHT = """
 import torch, torch.distributed as dist
 from mpedu.distributed import DistributedPipeline, setup
@@ -227,25 +231,27 @@ from mpedu.model import LSTMLM
 from mpedu.training import train
 setup("gloo")
 corpus = load_corpus()
-torch.manual_seed(0)
-model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
-CASE = "CASE_HERE"
-pipe = DistributedPipeline(model, "embed,lstm0:a | lstm1,decode:b", "gpipe", 2, width=16,
-                           clip=None if CASE == "gradient" else 0.25)
-if CASE == "clipped" and dist.get_rank() == 0:     # rank 0's gradient overflows, then the clip spreads it
-    model.layers["lstm0"].lstm.weight_hh_l0.register_hook(lambda g: g * float("inf"))
-if CASE != "clipped" and dist.get_rank() == 1:
-    weight = model.layers["lstm1"].lstm.weight_hh_l0
-    if CASE == "weight":
-        with torch.no_grad():
-            weight[0, 0] = float("nan")
-    else:                      # a gradient overflows on rank 1 only; the loss stays finite
-        weight.register_hook(lambda g: g * float("inf"))
-try:
-    train(model, corpus, runner=pipe, epochs=1, batch_size=16, limit_batches=2, progress=False, log=lambda *a: None)
-except NumericFault as e:
-    print(f"rank {dist.get_rank()} fault {e.layer} stage {e.stage}: {e}", flush=True)
-pipe.close()
+for CASE in CASES_HERE:                  # one job, case after case: a torchrun job costs ~14 s of CPU to start
+    torch.manual_seed(0)
+    model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))
+    pipe = DistributedPipeline(model, "embed,lstm0:a | lstm1,decode:b", "gpipe", 2, width=16,
+                               clip=None if CASE == "gradient" else 0.25)
+    if CASE == "clipped" and dist.get_rank() == 0:     # rank 0's gradient overflows, then the clip spreads it
+        model.layers["lstm0"].lstm.weight_hh_l0.register_hook(lambda g: g * float("inf"))
+    if CASE != "clipped" and dist.get_rank() == 1:
+        weight = model.layers["lstm1"].lstm.weight_hh_l0
+        if CASE == "weight":
+            with torch.no_grad():
+                weight[0, 0] = float("nan")
+        else:                      # a gradient overflows on rank 1 only; the loss stays finite
+            weight.register_hook(lambda g: g * float("inf"))
+    try:
+        train(model, corpus, runner=pipe, epochs=1, batch_size=16, limit_batches=2, progress=False,
+              log=lambda *a: None)
+    except NumericFault as e:
+        print(f"{CASE}: rank {dist.get_rank()} fault {e.layer} stage {e.stage}: {e}", flush=True)
+    pipe.close()
+    dist.barrier()                 # both ranks are done with this case before the next one's pipeline
 dist.destroy_process_group()
 """
 
@@ -257,25 +263,25 @@ def _run_script(tmp_path, text: str):
     return torchrun(script=script)[0]
 
 
-@needs_gloo
-@pytest.mark.parametrize("case", ["weight", "gradient", "clipped"])
-def test_every_rank_names_the_layer_a_nan_came_from(tmp_path, case):
+@torchrun_job
+def test_every_rank_names_the_layer_a_nan_came_from(tmp_path):
     """A NaN weight in lstm1 on rank 1: rank 0 looked at its own stale copy of lstm1 and blamed lstm0's gradient
     (the clip had spread the NaN there); now each rank searches its own layers and all name the same one. A
     gradient that overflows on rank 1 alone (the loss finite, no clip) fails the step on rank 0 too, which
     would otherwise step on and wait for rank 1. One that overflows on rank 0 under the clip: rank 1 blamed
     its own decode, into which the clip's all-reduce had spread the NaN."""
-    proc = _run_script(tmp_path, NAN_WEIGHT.replace("CASE_HERE", case))
+    proc = _run_script(tmp_path, NAN_WEIGHT.replace("CASES_HERE", repr(NAN_CASES)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    what = "its weight (\\S+) holds 1 nan" if case == "weight" else "the gradient of (\\S+) holds"
-    found = sorted(re.findall(r"rank (\d) fault (\w+) stage \d: .*?First non-finite: layer \w+ \(stage \d on "
-                              r"rank:\d\): " + what, proc.stdout))
-    if case == "clipped":        # the overflow reaches the layer's other weights in the same backward
-        found = [(rank, layer, "lstm.weight_hh_l0") for rank, layer, _ in found]
-    layer = "lstm0" if case == "clipped" else "lstm1"
-    assert found == [("0", layer, "lstm.weight_hh_l0"), ("1", layer, "lstm.weight_hh_l0")], proc.stdout
-    if case == "clipped":
-        assert "the clip (now 0.25)" in proc.stdout, proc.stdout
+    for case in NAN_CASES:
+        what = "its weight (\\S+) holds 1 nan" if case == "weight" else "the gradient of (\\S+) holds"
+        found = sorted(re.findall(rf"^{case}: rank (\d) fault (\w+) stage \d: .*?First non-finite: layer \w+ "
+                                  r"\(stage \d on rank:\d\): " + what, proc.stdout, flags=re.MULTILINE))
+        if case == "clipped":        # the overflow reaches the layer's other weights in the same backward
+            found = [(rank, layer, "lstm.weight_hh_l0") for rank, layer, _ in found]
+        layer = "lstm0" if case == "clipped" else "lstm1"
+        assert found == [("0", layer, "lstm.weight_hh_l0"), ("1", layer, "lstm.weight_hh_l0")], (case, proc.stdout)
+    clipped = [line for line in proc.stdout.splitlines() if line.startswith("clipped:")]
+    assert any("the clip (now 0.25)" in line for line in clipped), proc.stdout
 
 
 FROZEN_RANK = """
@@ -303,7 +309,7 @@ dist.destroy_process_group()
 """
 
 
-@needs_gloo
+@torchrun_job
 def test_a_rank_without_gradients_skips_the_batch_the_others_cannot_step_on(tmp_path):
     """Rank 0's layers are all frozen, so it holds no gradient in which another rank's NaN could show: it stepped
     on while rank 1 skipped, and both waited for each other until the timeout. The step's result now says
@@ -333,7 +339,7 @@ sys.exit(cli.main(["train", "--skip-bad-batches", "--limit-batches", "3", "--epo
 """
 
 
-@needs_gloo
+@torchrun_job
 def test_skip_bad_batches_under_torchrun_skips_on_every_rank_and_trains_on(tmp_path):
     """--skip-bad-batches (once refused under torchrun): a gradient that overflows on rank 1 alone skips that
     batch on both ranks, which step on together through the other two batches and exit 0."""
@@ -347,7 +353,7 @@ def test_skip_bad_batches_under_torchrun_skips_on_every_rank_and_trains_on(tmp_p
     assert (tmp_path / "out" / "model.pt").is_file()
 
 
-@needs_gloo
+@torchrun_job
 def test_a_weight_tied_on_one_rank_is_clipped_once(tmp_path):
     """embed and decode share a weight on rank 0 (stages 0 and 2): the clip counted it twice in the norm and
     scaled its gradient twice (0.96 relative error against one process)."""
@@ -357,7 +363,7 @@ def test_a_weight_tied_on_one_rank_is_clipped_once(tmp_path):
     assert line.startswith("tied True") and float(line.split()[-1]) < 1e-5, line
 
 
-@needs_gloo
+@torchrun_job
 def test_train_keeps_the_recipes_decay_refuses_a_bad_out_first_and_says_when_it_diverged(tmp_path):
     # small's recipe: lr 20, divided by 2 after each epoch from epoch 4 on (the halving rule ran instead)
     proc, _ = torchrun("train", "--config", "small", "--epochs", "5", "--limit-batches", "1", "--out",
@@ -379,7 +385,7 @@ def test_train_keeps_the_recipes_decay_refuses_a_bad_out_first_and_says_when_it_
     assert proc.returncode != 0 and "training diverged" in proc.stderr, proc.stdout + proc.stderr
 
 
-@needs_gloo
+@torchrun_job
 def test_a_failing_rank_makes_every_rank_exit_soon(tmp_path):
     proc, seconds = torchrun("train", "--limit-batches", "2", "--epochs", "1", "--out", str(tmp_path),
                              "--no-progress", env={FAIL_ENV: "1"}, timeout=90)
@@ -393,7 +399,7 @@ def test_a_failing_rank_makes_every_rank_exit_soon(tmp_path):
 
 # -- under torchrun: 4 processes = 2 replicas x a 2-rank pipeline --------------------------
 
-@needs_gloo
+@torchrun_job
 def test_two_replicas_of_a_two_stage_pipeline_check_equal_to_one_process(tmp_path):
     from mpedu.bucketing import Batch
     from mpedu.single import SingleDevice
@@ -428,7 +434,7 @@ def test_two_replicas_of_a_two_stage_pipeline_check_equal_to_one_process(tmp_pat
         assert report["schedules"][schedule]["all_reduces"] == 4
 
 
-@needs_gloo
+@torchrun_job
 def test_two_replicas_train_as_one_process_on_the_whole_batch(tmp_path):
     proc, _ = torchrun("train", "--pipeline-devices", "2", "--limit-batches", "2", "--epochs", "1", "--json",
                        "--out", str(tmp_path), "--no-progress", processes=4, timeout=300)
@@ -487,7 +493,7 @@ dist.destroy_process_group()
 """
 
 
-@needs_gloo
+@torchrun_job
 @pytest.mark.parametrize("processes", [2, 4])
 def test_train_clips_over_every_rank_and_a_frozen_stage_needs_no_all_reduce(tmp_path, processes):
     """train(..., clip=0.01, runner=pipe) clipped each rank's own layers by their own norm (weights 0.08 off one
@@ -509,7 +515,7 @@ sys.exit(cli.main(argv + (["--lr", "0.001"] if os.environ["RANK"] == "1" else []
 """
 
 
-@needs_gloo
+@torchrun_job
 def test_ranks_started_with_different_options_are_refused_before_training(tmp_path):
     """Each machine types its own command: rank 1's --lr 0.001 trained silently with it while rank 0 reported
     10 (a different --seed broke a collective with a C++ abort). Every rank now compares, and all refuse."""
@@ -544,7 +550,7 @@ dist.destroy_process_group()
 """
 
 
-@needs_gloo
+@torchrun_job
 def test_every_rank_finds_one_origin_on_either_path(tmp_path):
     """On one machine the origins are the same reading of the shared monotonic clock; estimated as across
     machines (rank 0's clock broadcast, the least arrival gap), they land within a few milliseconds of it."""
@@ -569,7 +575,7 @@ sys.exit(cli.main(["train", "--limit-batches", "1", "--epochs", "1", "--no-progr
 """
 
 
-@needs_gloo
+@torchrun_job
 def test_ranks_with_the_same_words_in_another_order_are_refused(tmp_path):
     """The data's digest covered its words and sizes only: a corpus with the same words in another order passed,
     and rank 1 scored rank 0's inputs against other targets. Every token id counts now."""

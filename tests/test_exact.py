@@ -14,7 +14,7 @@ from mpedu.model import LSTMLM, LMConfig
 from mpedu.pipeline import Pipeline
 from mpedu.single import SingleDevice
 from mpedu.training import evaluate
-from test_distributed import needs_gloo, torchrun
+from test_distributed import torchrun, torchrun_job
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 
@@ -242,7 +242,7 @@ def test_stream_mode_carries_state_into_a_shorter_last_window_like_one_device(sc
 
 # ---------------------------------------------------------------- torchrun: one process per device
 
-@needs_gloo
+@torchrun_job
 def test_torchrun_check_with_dropout_equals_one_process(tmp_path):
     proc, _ = torchrun("check", "--schedule", "naive,gpipe,1f1b,zb1", "--micro-batches", "4", "--batch-size", "16",
                        "--dropout", "0.5", "--seed", "2", "--placement", "embed:vgpu0 | lstm0,lstm1,decode:vgpu1",

@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from mpedu.heartbeat import LIMIT, Heartbeat
+from test_distributed import torchrun_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,8 +64,6 @@ def test_the_default_limit_ends_a_stopped_run_well_within_two_minutes():
 
 # -- under torchrun: SIGSTOP one rank ---------------------------------------------------
 
-needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
 
 
 def _children(pid: int) -> list[int]:
@@ -94,7 +93,7 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-@needs_gloo
+@torchrun_job
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through /proc (Linux)")
 def test_a_stopped_rank_ends_every_process_naming_it(tmp_path):
     import socket
