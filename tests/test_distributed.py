@@ -223,6 +223,7 @@ dist.destroy_process_group()
 
 NAN_CASES = ("weight", "gradient", "clipped")
 NAN_WEIGHT = """
+import sys
 import torch, torch.distributed as dist
 from mpedu.distributed import DistributedPipeline, setup
 from mpedu.data import load_corpus
@@ -249,7 +250,9 @@ for CASE in CASES_HERE:                  # one job, case after case: a torchrun 
         train(model, corpus, runner=pipe, epochs=1, batch_size=16, limit_batches=2, progress=False,
               log=lambda *a: None)
     except NumericFault as e:
-        print(f"{CASE}: rank {dist.get_rank()} fault {e.layer} stage {e.stage}: {e}", flush=True)
+        # one write per line: the ranks share torchrun's unbuffered stdout, and a print writes its newline
+        # apart, so another rank's line could land between the two
+        sys.stdout.write(f"{CASE}: rank {dist.get_rank()} fault {e.layer} stage {e.stage}: {e}\\n")
     pipe.close()
     dist.barrier()                 # both ranks are done with this case before the next one's pipeline
 dist.destroy_process_group()
