@@ -145,6 +145,17 @@ def test_a_failure_stops_the_other_devices_early(monkeypatch):
     assert len(ran) < 8
 
 
+@pytest.fixture
+def python_handles_ctrl_c():
+    """Python's own SIGINT handler (KeyboardInterrupt), as in a terminal or Jupyter. A process started in the
+    background by a non-interactive shell (`nohup ./run.sh test &`, some CI runners) inherits SIGINT ignored,
+    and Python keeps it ignored: then no Ctrl-C reaches anything, and these tests would fail for that alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("python_handles_ctrl_c")
 def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
     model = tiny_model()
     ref_loss, _ = reference(model, batch)
@@ -165,6 +176,7 @@ def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
         assert pipe.train_step(batch).loss == pytest.approx(ref_loss, rel=1e-6)
 
 
+@pytest.mark.usefixtures("python_handles_ctrl_c")
 def test_ctrl_c_that_lands_in_a_worker_thread_interrupts_the_step(monkeypatch, batch):
     """The kernel hands a process-directed SIGINT to any thread that does not block it: here, a worker.
     Python runs the handler only on the main thread, which must notice it while the step still runs
