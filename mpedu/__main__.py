@@ -12,7 +12,7 @@ import torch
 from .files import why
 from .footprint import parse_recompute
 from .history import diverged
-from .options import (add_training_options, apply_recipe, count, join_dash_values, json_line, link_help,
+from .options import (add_training_options, apply_recipe, count, folder, join_dash_values, json_line, link_help,
                       parse_link, parse_memory_cap, positive_int, shorten)
 from .recipes import RECIPES
 from .single import SingleDevice
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--bptt", type=count, metavar="T",
                    help="stream mode: cut the text into T-step chunks and carry the LSTM state across batches; "
                         "0: bucketed sentences (default: the recipe's; tiny: bucketed)")
-    t.add_argument("--out", default="runs/latest", metavar="DIR",
+    t.add_argument("--out", type=folder, default="runs/latest", metavar="DIR",
                    help="where checkpoint.pt and model.pt go (default: runs/latest)")
     t.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.pt, mid-epoch if need be "
                    "(on any placement or device count), with the run's own --batch-size, --seed, --clip, --bptt "
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("corpus", help="write the embedded corpus as ptb.{train,valid,test}.txt",
                             description="Write the embedded synthetic corpus in PTB format (one sentence per line).")
-    c.add_argument("--out", required=True, metavar="DIR", help="folder to write into")
+    c.add_argument("--out", type=folder, required=True, metavar="DIR", help="folder to write into")
     c.add_argument("--seed", type=count, default=0, help="which made-up language (default: 0)")
     c.add_argument("--force", action="store_true", help="replace ptb.*.txt files already in DIR")
     return parser
@@ -229,6 +229,16 @@ def _the_runs_own_settings(args) -> bool:
     return True
 
 
+def _link_estimate(args, corpus, runner) -> str:
+    """Before the first step: what the emulated link costs a step, on the run's first batch."""
+    from .link import format_duration
+    from .training import make_batches
+    batch = next(iter(make_batches(corpus.train, args.batch_size, bptt=args.bptt, shuffle=True, seed=args.seed)))
+    T, B = batch.inputs.shape
+    return (f"link {runner.link.name}: one step's hand-offs take at least "
+            f"{format_duration(runner.transfer_time(batch))} on the first batch ({T} x {B})")
+
+
 def _train_in(args, corpus, recipe) -> int:
     """Build the model and runner, train, write the timeline and the summary (--out is locked)."""
     from .files import WriteFailed
@@ -247,6 +257,8 @@ def _train_in(args, corpus, recipe) -> int:
              else f"single device (cpu, {plural(torch.get_num_threads(), 'intra-op thread')})")
     print(f"mpedu train: {args.config} model on {corpus.name} ({len(corpus.vocab):,} words, "
           f"{corpus.tokens('train'):,} training tokens); {where}")
+    if pipelined and runner.link.emulated:
+        print(_link_estimate(args, corpus, runner))
     checkpoint = Path(args.out) / "checkpoint.pt"
     before = _written(checkpoint)        # a checkpoint this run did not write belongs to an earlier run
     try:

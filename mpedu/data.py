@@ -133,6 +133,9 @@ def _read(path: Path, max_line_tokens: int) -> tuple[list[list[str]], int]:
             except UnicodeDecodeError as e:
                 raise CorpusError(f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} "
                                   f"at column {e.start + 1}); the reader expects UTF-8 text") from None
+            if b"\0" in raw:        # valid UTF-8, but no text has them: UTF-16 or UTF-32 without a byte-order mark
+                raise CorpusError(f"{path}:{lineno}: holds NUL bytes (the first at column {raw.index(0) + 1}): a "
+                                  "UTF-16 or UTF-32 file? Save it as UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8)")
             # a bare CR (old Mac line ends) ends a sentence too; a CRLF's CR goes with the newline
             for k, part in enumerate(line.rstrip("\r\n").split("\r")):
                 lineno += k > 0

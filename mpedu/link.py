@@ -171,6 +171,14 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds / 1e-6:.3g} us"
 
 
+def format_duration(seconds: float) -> str:
+    """A long time as a person says it: "45 s", "12 min", "3.3 h", "2.1 days", "3e+22 years"."""
+    for unit, scale in (("years", 365.25 * 86400), ("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return format_seconds(seconds)
+
+
 def format_bandwidth(bps: float) -> str:
     if bps == INF:
         return "inf B/s"

@@ -11,6 +11,10 @@ class Aborted(Exception):
     """Raised inside a worker when another worker failed: stop, nothing to report."""
 
 
+class Deadlock(RuntimeError):
+    """Every worker of a step waits for a tensor or has finished its actions: no tensor can come."""
+
+
 class Mailbox:
     """Tensors in flight between stages, keyed by (what, stage, micro-batch, chunk).
 
@@ -36,13 +40,22 @@ class Mailbox:
     With an emulated `link` a sent tensor is in the mailbox at once (the sender goes
     on), but lands only when the link's Channel for its direction says: a receive
     then sleeps until that time, freeing its core as a GPU waiting for a copy would.
+
+    No wait is unbounded: given the step's `workers` (how many will send and receive), the mailbox
+    knows when every one of them is parked in a receive or has called `finished()`. Then no
+    tensor can come any more: it aborts the step with a Deadlock naming who waits for what
+    (`describe(key)` says what a key is). A schedule that passed validate() never gets there.
     """
 
-    def __init__(self, link: Link | None = None, spin: bool = False):
+    def __init__(self, link: Link | None = None, spin: bool = False, workers: int | None = None,
+                 describe=str):
         self._spin = spin
+        self._workers, self._finished, self._describe = workers, 0, describe
+        self.failure: Deadlock | None = None
         self._lock = threading.Lock()
         self._items: dict = {}
-        self._waiting: dict = {}
+        self._waiting: dict = {}                # key -> the lock its receiver parks on
+        self._who: dict = {}                    # key -> who waits for it
         self.aborted = False
         self._link = link if link is not None and link.emulated else None
         self._channels: dict = {}          # (from device, to device) -> Channel; each used by one sender
@@ -63,7 +76,9 @@ class Mailbox:
             waiter.release()
         return landing
 
-    def get(self, key):
+    def get(self, key, who=""):
+        """The tensor sent under `key`, waiting for it; `who` ("vgpu:1", or (device, action), kept
+        as given: formatting it on every receive would cost) only names the receiver in a Deadlock."""
         if self._spin and key not in self._items:
             deadline = time.perf_counter() + SPIN_RECEIVE_S
             while key not in self._items and not self.aborted and time.perf_counter() < deadline:
@@ -75,6 +90,8 @@ class Mailbox:
                     raise Aborted
                 waiter = self._waiting[key] = threading.Lock()
                 waiter.acquire()
+                self._who[key] = who
+                self._check_deadlock()
         if item is None:
             waiter.acquire()          # blocks until put() or abort() releases it
             with self._lock:
@@ -98,12 +115,34 @@ class Mailbox:
             if left > SPIN_S:
                 time.sleep(min(left - SPIN_S, 0.1))
 
+    def finished(self) -> None:
+        """A worker has run all its actions: it will send nothing more."""
+        with self._lock:
+            self._finished += 1
+            self._check_deadlock()
+
+    def _check_deadlock(self) -> None:
+        """(Lock held.) Everyone parked or finished, someone parked: abort, saying who waits for what."""
+        if self._workers is None or not self._waiting or len(self._waiting) + self._finished < self._workers:
+            return
+        waits = "; ".join(f"{_name(self._who.get(key))} waits for {self._describe(key)}" for key in self._waiting)
+        self.failure = Deadlock(f"deadlock: every device waits for a tensor no device will send ({waits}); "
+                                f"{self._finished} of {self._workers} devices had run all their actions")
+        self.aborted = True
+        waiters, self._waiting = list(self._waiting.values()), {}
+        for waiter in waiters:
+            waiter.release()
+
     def abort(self) -> None:
         with self._lock:
             self.aborted = True
             waiters, self._waiting = list(self._waiting.values()), {}
         for waiter in waiters:
             waiter.release()
+
+
+def _name(who) -> str:
+    return " at ".join(map(str, who)) if isinstance(who, tuple) else str(who or "a receiver")
 
 
 SPIN_S = 100e-6

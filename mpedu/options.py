@@ -29,6 +29,14 @@ def check_number(name: str, value, *, integer: bool = False, minimum: float = 0,
 
 # ---------------------------------------------------------------- the command lines
 
+def folder(text: str) -> str:
+    """An --out folder: not empty (which would write into the current folder without a word)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} names no folder; give one, e.g. runs/mine, or . for the "
+                                         "current folder")
+    return text
+
+
 def _whole(text: str, minimum: int, maximum: int = 2**63) -> int:
     try:
         value = int(text)

@@ -14,11 +14,11 @@ from .footprint import Footprint, recomputes
 from .clock import Clock
 from .devices import (CallerThread, Device, Worker, get_devices, own_cores, stop_workers, wait_interruptibly,
                       wait_uninterrupted)
-from .link import Link
+from .link import Link, format_duration
 from .mailbox import Aborted, Mailbox
 from .placement import Placement
 from .runner import StepResult, check_batch, check_carried
-from .schedules import Action, Schedule
+from .schedules import Action, Schedule, ScheduleError
 from .stage import Stage
 from .timeline import Event, Timeline
 
@@ -95,6 +95,7 @@ class Pipeline:
                                            1 if chunks is None else chunks)
         self.micro_batches = self.schedule.micro_batches
         self.chunks = self.schedule.chunks
+        self._counts = (stage_devices, self.micro_batches, self.chunks)     # what a step's schedule must keep
         self.devices: list[Device] = self.placement.devices
         self.link = Link.parse(link)
         gpus = [d.name for d in self.devices if d.is_cuda]
@@ -162,7 +163,29 @@ class Pipeline:
         """
         if not all(module.training for module in self.model.modules()):   # (train() itself: 20 us a step)
             self.model.train()
-        return self._step(batch, self.schedule.actions, train=True)
+        return self._step(batch, self._checked_schedule().actions, train=True)
+
+    def _checked_schedule(self) -> Schedule:
+        """`self.schedule`, checked again if it was edited or replaced since it was checked: its rows are
+        lists a caller can change, and an edited row would run unchecked (a missing backward: wrong
+        gradients; a missing forward: a wait with nobody to send). Cheap when unchanged: one hash."""
+        schedule = self.schedule
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"pipe.schedule was replaced by {schedule!r}, not a Schedule; build a new Pipeline "
+                            "with the schedule you want")
+        counts = (list(schedule.stage_devices), schedule.micro_batches, schedule.chunks)
+        if counts != self._counts:
+            raise ScheduleError(
+                f"pipe.schedule was changed after the Pipeline was built: it now puts stages on devices "
+                f"{counts[0]} with {counts[1]} micro-batches and {counts[2]} time chunks, this pipeline "
+                f"{self.placement.stage_devices}, {self.micro_batches} and {self.chunks}; build a new Pipeline")
+        if getattr(schedule, "_checked", None) != schedule._fingerprint():
+            try:
+                schedule.validate()
+            except ScheduleError as e:
+                raise ScheduleError(f"pipe.schedule was edited after the Pipeline was built and cannot run, so "
+                                    f"no step ran: {e}") from None
+        return schedule
 
     def eval_step(self, batch) -> StepResult:
         """Forward only (no gradients), in GPipe's fill order."""
@@ -180,9 +203,32 @@ class Pipeline:
             if T < self.chunks:
                 raise ValueError(f"chunks={self.chunks} but this batch has only T={T} time steps; "
                                  f"use at most {T} chunks or longer buckets")
+            seconds = self.transfer_time(batch)
+            if seconds > LINK_LIMIT_S:
+                raise ValueError(
+                    f"link {self.link}: one step's hand-offs on a ({T}, {B}) batch would take at least "
+                    f"{format_duration(seconds)}, and a step waits for them; mpedu refuses a link slower than "
+                    f"{LINK_LIMIT_S:g} s of transfers a step. A typo? '1ms,1GB/s' is 1 ms + bytes / (1 GB/s); "
+                    f"'10gbe/100' is 10 Gb Ethernet slowed 100x")
             plan = BucketPlan(T, B, B // self.micro_batches, streams.chunk_bounds(T, self.chunks))
             self.bucket_cache[T, B] = plan
         return plan
+
+    def transfer_time(self, batch) -> float:
+        """At least how long one training step's hand-offs take on this pipeline's link, in seconds (0 on
+        shared memory): between two devices each direction queues its tensors for the bandwidth, and
+        the last one lands a latency later. A stage's output is (T, B/m, width) floats, its gradient too."""
+        if not self.link.emulated:
+            return 0.0
+        T, B = batch.inputs.shape
+        itemsize = next(self.model.parameters()).element_size()
+        config, routes = self.model.config, {}
+        for here, there in zip(self.stages, self.stages[1:]):
+            width = config.embed_size if here.names[-1] == "embed" else config.hidden_size
+            nbytes = T * -(-B // self.micro_batches) * width * itemsize * self.micro_batches   # all micro-batches
+            for route in ((here.device.name, there.device.name), (there.device.name, here.device.name)):
+                routes[route] = routes.get(route, 0) + nbytes
+        return max((self.link.time(n) for n in routes.values()), default=0.0)
 
     def memory_estimate(self, batch) -> list[Footprint]:
         """What each device holds for a training step on batches of this shape: its weights, their
@@ -324,7 +370,7 @@ class Pipeline:
             stage.reset(keep_state=keep_state, carry=carry, chunks=len(plan.chunk_bounds))
         # the step's dropout Position; each (micro-batch, chunk) draws at its first column and time step
         key = dropout.Position(self.dropout_seed, self.dropout_step) if train else None
-        mailbox = Mailbox(self.link, spin=self._core_each)
+        mailbox = Mailbox(self.link, spin=self._core_each, workers=len(actions), describe=_sender_of)
         timeline = Timeline([d.name for d in self.devices])
         t0 = time.perf_counter()
         callers = streams.caller_streams(self.devices)
@@ -342,7 +388,7 @@ class Pipeline:
                 wait_interruptibly(futures)
                 errors = [f.exception() for f in futures if f.exception() is not None
                           and not isinstance(f.exception(), Aborted)]
-                raise errors[0] if errors else RuntimeError("pipeline step aborted")
+                raise errors[0] if errors else mailbox.failure or RuntimeError("pipeline step aborted")
         except BaseException:
             # Ctrl-C or a failure: wake every worker, let each finish its current action,
             # then drop the step's tensors so the next step starts clean.
@@ -397,7 +443,7 @@ class Pipeline:
             marks.append(("send", src, a, start, end if landing is None else landing, nbytes, peer, 0))
 
         def receive(kind, a: Action):
-            moved, ready = mailbox.get((kind, a.stage, a.mb, a.chunk))
+            moved, ready = mailbox.get((kind, a.stage, a.mb, a.chunk), (device.name, a))
             if ready is not None and moved.is_cuda:   # make this device's stream wait for the copy
                 stream = torch.cuda.current_stream()
                 stream.wait_event(ready)
@@ -455,6 +501,7 @@ class Pipeline:
                         start = clock.mark()
                         stage.backward_weight(a.mb, a.chunk)
                         marks.append((a.kind, a.stage, a, start, clock.mark(), 0, "", -held))
+                mailbox.finished()      # this device sends nothing more (a receive that waits for it never ends)
             finally:
                 if device.is_cuda:
                     torch.cuda.current_stream().synchronize()
@@ -463,6 +510,17 @@ class Pipeline:
                     Event(device.name, kind, s, a.mb, clock.seconds(start), clock.seconds(end), a.chunk, nbytes,
                           peer, memory) for kind, s, a, start, end, nbytes, peer, memory in marks])
         return job
+
+
+def _sender_of(key) -> str:
+    """A mailbox key in words: what is awaited and which action sends it."""
+    kind, stage, mb, chunk = key
+    sender = Action("F", stage - 1, mb, chunk) if kind == "act" else Action("B", stage + 1, mb, chunk)
+    what = "the activation" if kind == "act" else "the gradient"
+    return f"{what} {sender} sends to stage {stage}"
+
+
+LINK_LIMIT_S = 60.0     # seconds of hand-offs a step may need on an emulated link: more is a typo, not a lesson
 
 
 @dataclass

@@ -217,6 +217,11 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     if p > 1 and getattr(model.config, "tie_weights", False):
         raise ValueError("the model ties embed and decode weights, so both must sit on one device, which no "
                          f"split over {p} devices in layer order allows; build it with tie_weights=False")
+    if micro_batches is not None:
+        wrong = [m for m in micro_batches if isinstance(m, bool) or not isinstance(m, int)]
+        if not micro_batches or wrong:
+            raise ValueError(f"micro_batches={micro_batches if not wrong else wrong[0]!r}: give one whole number "
+                             f"or a list of them, divisors of the batch width {B}, or None to try every divisor")
     ms = sorted(set(micro_batches)) if micro_batches else [d for d in range(1, B + 1) if B % d == 0]
     bad = [m for m in ms if m < 1 or B % m]
     if bad:
@@ -248,8 +253,8 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
         costs = profile_curve(model, batch, devs[0], widths=widths, lengths=lengths, length_widths=widths,
                               **profile_args)
     curve = costs if isinstance(costs, CostCurve) else CostCurve([costs], [])   # one profile: times in proportion
-    if curve.names != names:
-        raise ValueError(f"the costs cover layers {curve.names}, the model has {names}: profile this model")
+    for measured in curve.widths + curve.lengths:
+        measured.check_model(model)
     # activation bytes grow in blocks, not in proportion: weighed at every shape the search meets (a dry run per
     # shape not weighed yet; a curve keeps them, so pass the same CostCurve to plan again)
     curve.weigh(model, search_shapes(T, B, ms, chunks if "wavefront" in schedules else ()), devs[0])

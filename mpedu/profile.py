@@ -54,6 +54,9 @@ class StageCost:
             if getattr(self, half) is None:
                 object.__setattr__(self, half, self.backward / 2)
         _check_times(self, "a stage")
+        for name in ("output_bytes", "activation_bytes", "param_bytes", "input_bytes", "input_saved_bytes",
+                     "trainable_bytes"):     # a negative size would give a peak of 0, a NaN fail in a sum
+            check_number(f"a stage's {name}", getattr(self, name), minimum=0)
 
 
 def _check_times(costs, what: str) -> None:
@@ -88,6 +91,7 @@ class Costs:
     trainable_bytes: list[int] | None = None     # weights that get a gradient; None: all of param_bytes
     input_saved_bytes: list[int] | None = None   # bytes of its own input a layer saves; None: 0
     recurrent: list[bool] | None = None          # layers with a recurrent kernel (Stage); None: none known
+    profiled: bool = False                       # measured by profile(): its weight sizes are a model's
 
     def __post_init__(self):
         self.micro_batch = tuple(self.micro_batch)
@@ -99,6 +103,22 @@ class Costs:
         if self.recurrent is None:
             self.recurrent = [False] * n
         _check_times(self, "a layer")
+
+    def check_model(self, model) -> None:
+        """Refuse costs profiled on another model: the same layer names are not enough (every LSTMLM has
+        embed, lstm0, ..., decode), their weights' sizes tell models apart. Hand-written costs (not
+        `profiled`) describe whatever model their author means: only their names are checked."""
+        if list(self.names) != list(model.layer_names):
+            raise ValueError(f"these costs cover layers {', '.join(self.names)}, the model has "
+                             f"{', '.join(model.layer_names)}: profile this model, mpedu.profile(model, batch)")
+        if not self.profiled:
+            return
+        params, _ = param_sizes(model)
+        for name, theirs, ours in zip(self.names, self.param_bytes, params):
+            if theirs != ours:
+                raise ValueError(f"these costs were profiled on another model: its {name} holds {theirs:,} bytes "
+                                 f"of weights, this model's {ours:,}; profile this model, "
+                                 "mpedu.profile(model, batch)")
 
     def stages(self, placement) -> list[StageCost]:
         """One StageCost per stage of a Placement (or of a list of layer-name lists).
@@ -223,7 +243,7 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
     f, bw, b, w, act, out, _, shared = measured
     return Costs(model.layer_names, f, bw, b, w, act, out, params, shared, micro_batch=tuple(micro.inputs.shape),
                  recurrent=[is_recurrent(twin.layers[name]) for name in model.layer_names],
-                 device=dev.name, trainable_bytes=trainable, input_saved_bytes=input_saved)
+                 device=dev.name, trainable_bytes=trainable, input_saved_bytes=input_saved, profiled=True)
 
 
 def _copy_without_grads(model):

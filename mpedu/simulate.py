@@ -49,6 +49,8 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     comes in), so give costs whose chunks were weighed, CostCurve.at(T, b, chunks), as the planner does.
     """
     if hasattr(schedule, "schedule") and hasattr(schedule, "placement"):   # a Pipeline
+        if isinstance(costs, Costs) and hasattr(schedule, "model"):
+            costs.check_model(schedule.model)
         placement = placement if placement is not None else schedule.placement
         recompute = recompute if recompute is not None else getattr(schedule, "recompute", None)
         link = link if link is not None else getattr(schedule, "link", None)

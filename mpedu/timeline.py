@@ -1,7 +1,9 @@
 """What every device did and when: actions and transfers, with derived bubble and idle time, pictures and traces."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +43,41 @@ class Event:
 
 COMPUTE = ("F", "R", "B", "W")
 ALL_REDUCE = "allreduce"
+
+
+KINDS = COMPUTE + ("send", ALL_REDUCE)
+
+
+def _event(k: int, e, devices: list[str]) -> "Event":
+    """Event k of a timeline's dict, each field checked (see Timeline.from_dict)."""
+    fields = Event.__dataclass_fields__
+    if not isinstance(e, dict) or set(e) - set(fields):
+        raise ValueError(f"event {k} of the timeline is not an Event: {e!r} (fields: {', '.join(fields)})")
+    missing = [name for name, f in fields.items() if name not in e and f.default is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"event {k} of the timeline is not an Event: it has no {missing[0]!r} (an Event needs "
+                         f"{', '.join(n for n, f in fields.items() if f.default is dataclasses.MISSING)})")
+
+    def bad(field: str, wants: str):
+        return ValueError(f"event {k} of the timeline: {field}={e[field]!r}; it must be {wants}")
+
+    if e["device"] not in devices:          # (a peer may be elsewhere: "rank:1" under torchrun)
+        raise ValueError(f"event {k} is on device {e['device']!r}, which the timeline's devices {devices} do not list")
+    if e["kind"] not in KINDS:
+        raise bad("kind", f"one of {', '.join(KINDS)}")
+    for name in ("stage", "mb", "chunk", "bytes", "memory"):
+        value = e.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or (value < 0 and name != "memory"):
+            raise bad(name, "a whole number" + ("" if name == "memory" else " >= 0"))
+    for name in ("start", "end"):
+        value = e[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad(name, "a finite number of seconds")
+    if e["end"] < e["start"]:
+        raise bad("end", f"at or after its start {e['start']!r}")
+    if not isinstance(e.get("peer", ""), str):
+        raise bad("peer", "a device name, or '' for none")
+    return Event(**e)
 
 
 class Timeline:
@@ -149,25 +186,20 @@ class Timeline:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Timeline":
+        """The Timeline `to_dict()` wrote; anything else is refused in one ValueError naming the event and
+        the field (a hand-edited <stem>.timeline.json would otherwise fail far away, in a plot or a sum)."""
         if not isinstance(d, dict) or not {"devices", "events"} <= d.keys():
             raise ValueError("not a timeline: expected a dict with 'devices' and 'events', as to_dict() and "
                              "<stem>.timeline.json hold")
-        devices, fields = list(d["devices"]), set(Event.__dataclass_fields__)
-        for k, e in enumerate(d["events"]):
-            unknown = set(e) - fields if isinstance(e, dict) else None
-            if unknown is None or unknown:
-                raise ValueError(f"event {k} of the timeline is not an Event: {e!r} "
-                                 f"(fields: {', '.join(Event.__dataclass_fields__)})")
-            if e.get("device") not in devices:      # (a peer may be elsewhere: "rank:1" under torchrun)
-                raise ValueError(f"event {k} is on device {e.get('device')!r}, which the timeline's devices "
-                                 f"{devices} do not list")
-        events = []
-        for k, e in enumerate(d["events"]):
-            try:
-                events.append(Event(**e))
-            except TypeError as error:          # a required field missing
-                raise ValueError(f"event {k} of the timeline is not an Event: {error}") from None
-        return cls(devices, events, d.get("source", "measured"))
+        devices, events = d["devices"], d["events"]
+        if not isinstance(devices, list) or not all(isinstance(x, str) for x in devices):
+            raise ValueError(f"the timeline's devices must be a list of device names such as ['vgpu:0', 'vgpu:1'], "
+                             f"got {devices!r}")
+        if not isinstance(events, list):
+            raise ValueError(f"the timeline's events must be a list of events, got {type(events).__name__}")
+        if not isinstance(d.get("source", "measured"), str):
+            raise ValueError(f"the timeline's source must be text such as 'measured', got {d['source']!r}")
+        return cls(devices, [_event(k, e, devices) for k, e in enumerate(events)], d.get("source", "measured"))
 
     def to_json(self, path) -> None:
         # temp file + rename, like a checkpoint: a symlink planted at `path` is replaced, not followed

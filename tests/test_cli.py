@@ -504,3 +504,14 @@ def test_under_torchrun_the_one_process_command_points_to_the_distributed_one(mo
     monkeypatch.setenv("WORLD_SIZE", "1")                                # one process: trains as ever
     assert cli.main(["train", "--config", "tiny", "--out", str(tmp_path), "--limit-batches", "1", "--epochs", "1",
                      "--no-progress"]) == 0
+
+
+@pytest.mark.parametrize("args", [["train", "--out", "  ", "--epochs", "1"], ["corpus", "--out", ""]])
+def test_an_empty_out_is_refused_instead_of_writing_into_the_current_folder(capsys, monkeypatch, tmp_path, args):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert "argument --out: " in (err := capsys.readouterr().err)
+    assert "names no folder; give one, e.g. runs/mine, or . for the current folder" in err
+    assert list(tmp_path.iterdir()) == []

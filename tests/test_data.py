@@ -218,7 +218,8 @@ def _corpus(folder: Path, train_text: bytes) -> Path:
 @pytest.mark.parametrize("content, words", [
     (b"", "contains no sentences"),
     (b"\n\n  \n", "contains no sentences"),
-    (bytes(range(256)) * 4, "not valid UTF-8"),
+    (bytes(range(1, 256)) * 4, "not valid UTF-8"),          # (a NUL byte would be refused first, as UTF-16)
+    (bytes(range(256)) * 4, "holds NUL bytes"),
     (b"w " * 20_000 + b"\n", "longer than max_line_tokens"),
     (b"a <pad> b\n", "reserved for padding"),
 ])
@@ -249,3 +250,13 @@ def test_random_corpus_bytes_load_or_name_the_file(tmp_path, data):
         assert "ptb.train.txt" in str(e)
     else:
         assert len(corpus.train) >= 1
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-32-le"])
+def test_a_utf16_corpus_without_a_byte_order_mark_is_refused_naming_the_line(tmp_path, encoding):
+    # valid UTF-8 byte for byte ('t', NUL, 'h', NUL, ...): read as UTF-8 it would train on words like 't\x00h\x00e'
+    text = "the cat sat\nthe dog ran\n".encode(encoding)
+    for split in ("train", "valid", "test"):
+        (tmp_path / f"ptb.{split}.txt").write_bytes(text)
+    with pytest.raises(CorpusError, match=r"ptb.train.txt:1: holds NUL bytes .*UTF-16 or UTF-32 file\? Save it as UTF-8"):
+        load_corpus(tmp_path)

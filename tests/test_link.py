@@ -5,6 +5,7 @@ Delays are made of sleeps of 20-60 ms, which a busy machine stretches but never 
 measured transfer must take at least its link time, and at most that plus a generous slack.
 """
 import json
+import re
 import statistics
 
 import pytest
@@ -198,3 +199,38 @@ def test_the_command_line_takes_a_link_and_names_it(capsys, tmp_path):
     assert stop.value.code == 2 and "unknown link 'pcie5'" in capsys.readouterr().err
     assert main(["train", *quick, "--devices", "1", "--link", "10gbe"]) == 2
     assert "--devices 1 has no transfer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("link, words", [("1ms,1B/s", r"at least \d.* h"), ("1e9s,1GB/s", "at least 31.7 years"),
+                                         ("pcie4/1e300", r"at least .*e\+\d+ years")])
+def test_a_link_that_cannot_finish_a_step_is_refused_before_the_step_naming_the_time(link, words):
+    model, batch = tiny_model(), make_batch()
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,lstm2,decode:vgpu1", "gpipe", micro_batches=4, link=link) as pipe:
+        assert pipe.transfer_time(batch) > 60
+        with pytest.raises(ValueError, match=f"link {re.escape(str(pipe.link))}: one step's hand-offs on a "
+                                             rf"\(9, 8\) batch would take {words}.*A typo\? '1ms,1GB/s'"):
+            pipe.train_step(batch)
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_transfer_estimate_is_what_the_link_charges_the_busiest_direction():
+    model, batch = tiny_model(), make_batch(T=9, B=8)
+    link = Link(0.002, 1e6)
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,lstm2,decode:vgpu1", "gpipe", micro_batches=4, link=link) as pipe:
+        # lstm0's output, 9 x 8 x 64 floats in all, crosses each way once per micro-batch: 4 x 2 x 9 x 64 x 4 bytes
+        assert pipe.transfer_time(batch) == pytest.approx(0.002 + 9 * 8 * 64 * 4 / 1e6)
+        assert pipe.transfer_time(batch) < 60 and pipe.train_step(batch).loss > 0
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,lstm2,decode:vgpu1", "gpipe", micro_batches=4) as pipe:
+        assert pipe.transfer_time(batch) == 0.0                        # shared memory: nothing emulated
+
+
+def test_the_command_line_says_what_the_link_costs_before_the_first_step_and_refuses_a_typo(capsys, tmp_path):
+    args = ["train", "--config", "tiny", "--epochs", "1", "--limit-batches", "2", "--batch-size", "16", "--no-baselines",
+            "--no-progress", "--out", str(tmp_path)]
+    assert main(args + ["--link", "10gbe/100"]) == 0
+    assert re.search(r"link 10gbe/100: one step's hand-offs take at least [\d.]+ ms on the first batch \(\d+ x 16\)",
+                     capsys.readouterr().out)
+    assert main(args + ["--link", "1ms,1B/s", "--out", str(tmp_path / "typo")]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(r"at least [\d.]+ h on the first batch", out)
+    assert "would take at least" in err and "A typo?" in err

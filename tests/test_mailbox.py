@@ -103,3 +103,39 @@ def test_a_send_or_an_abort_during_the_poll_ends_it_without_parking(monkeypatch,
     assert not thread.is_alive(), "the poll did not notice"
     assert got == (["tensor"] if ending == "put" else ["aborted"])
     assert not mailbox._waiting                                        # it never parked
+
+
+def test_when_every_worker_waits_or_has_finished_the_mailbox_names_the_deadlock():
+    mailbox = Mailbox(workers=3, describe=lambda key: f"tensor {key}")
+    errors = []
+
+    def receiver(key, who):
+        try:
+            mailbox.get(key, who)
+        except Aborted:
+            errors.append(key)
+
+    threads = [threading.Thread(target=receiver, args=(k, w)) for k, w in (("a", "vgpu:0"), ("b", ("vgpu:1", "1F3")))]
+    for t in threads:
+        t.start()
+    until(lambda: len(mailbox._waiting) == 2)
+    assert mailbox.failure is None and not errors          # a third worker may still send
+    mailbox.finished()                                      # ...it will not: no tensor can come
+    for t in threads:
+        t.join(10)
+    assert sorted(errors) == ["a", "b"] and not any(t.is_alive() for t in threads)
+    text = str(mailbox.failure)
+    assert "deadlock" in text and "vgpu:0 waits for tensor a" in text and "vgpu:1 at 1F3 waits for tensor b" in text
+    assert "1 of 3 devices had run all their actions" in text
+
+
+def test_a_receive_that_will_be_answered_is_no_deadlock():
+    mailbox = Mailbox(workers=2)
+    got = []
+    thread = threading.Thread(target=lambda: got.append(mailbox.get("x", "vgpu:1")))
+    thread.start()
+    until(lambda: "x" in mailbox._waiting)
+    mailbox.put("x", 7)
+    mailbox.finished()           # the sender is done, the receiver already has its tensor
+    thread.join(10)
+    assert got == [7] and mailbox.failure is None

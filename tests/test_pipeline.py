@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import make_batch, reference, tiny_model
+from mpedu import schedules as S
 from mpedu.mailbox import Mailbox
 from mpedu.model import nll_sum
 from mpedu.pipeline import Pipeline
@@ -385,3 +386,71 @@ def test_ctrl_c_between_submitting_two_devices_jobs_does_not_hang(monkeypatch, b
     assert not runner.is_alive(), "the step or close() hung after a Ctrl-C between two submissions"
     assert outcome == {"interrupted": True, "loss": pytest.approx(ref_loss, rel=1e-6), "closed": True}
     assert not any(w.alive for w in pipe._workers)
+
+
+# -- a schedule edited after the Pipeline was built is checked before it runs -----------------------------
+def _edited(edit):
+    model = tiny_model()
+    pipe = Pipeline(model, "embed,lstm0:vgpu0 | lstm1,lstm2,decode:vgpu1", "gpipe", micro_batches=4)
+    edit(pipe.schedule.actions)
+    return model, pipe
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda rows: rows[0].remove(S.B(0, 3)), "0B3 is missing"),
+    (lambda rows: rows[0].remove(S.F(0, 3)), "0F3 is missing"),
+    (lambda rows: rows[0].append(S.B(0, 3)), "0B3: appears twice"),
+    (lambda rows: rows[1].reverse(), "deadlock: no device can go on"),
+    (lambda rows: rows[1].append("1F9"), "device 1's row holds '1F9', not an Action"),
+], ids=["a backward removed", "a forward removed", "a backward twice", "a row reversed", "text in a row"])
+def test_a_schedule_edited_after_the_pipeline_was_built_is_refused_before_any_device_runs(edit, words, batch):
+    model, pipe = _edited(edit)
+    with pipe:
+        with pytest.raises(S.ScheduleError, match="pipe.schedule was edited after the Pipeline was built") as e:
+            pipe.train_step(batch)
+        assert words in str(e.value)
+        assert all(p.grad is None for p in model.parameters())          # no device ran an action
+        assert pipe.eval_step(batch).loss > 0                           # evaluation plays its own order
+
+
+def test_an_edit_that_still_runs_is_checked_once_and_played(batch):
+    model, pipe = _edited(lambda rows: rows[1].sort(key=lambda a: (a.kind != "F", a.mb)))   # the same order
+    with pipe:
+        pipe.schedule.actions[0][:4] = [S.F(0, 1), S.F(0, 0), S.F(0, 2), S.F(0, 3)]          # 0F1 before 0F0
+        first = pipe.train_step(batch).loss
+        assert pipe.schedule._checked == pipe.schedule._fingerprint()
+        assert pipe.train_step(batch).loss == first
+
+
+def test_a_schedule_replaced_by_one_for_other_counts_is_refused(batch):
+    model, pipe = _edited(lambda rows: None)
+    with pipe:
+        pipe.schedule = S.make("gpipe", [0, 1], 2)
+        with pytest.raises(S.ScheduleError, match=r"with 2 micro-batches .* this pipeline \[0, 1\], 4 and 1"):
+            pipe.train_step(batch)
+
+
+def test_rows_that_wait_for_ever_end_in_a_deadlock_naming_who_waits_for_what(batch):
+    # past the schedule check (as a bug in the engine would be): the mailbox sees every device waiting
+    model = tiny_model()
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,lstm2,decode:vgpu1", "gpipe", micro_batches=2) as pipe:
+        rows = [[S.F(0, 0), S.B(0, 0)], [S.F(1, 1)]]
+        outcome = []
+        thread = threading.Thread(target=lambda: outcome.append(_raised(lambda: pipe._step(batch, rows, True))))
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "the step hung"
+        text = str(outcome[0])
+        assert "deadlock" in text
+        assert "vgpu:1 at 1F1 waits for the activation 0F1 sends to stage 1" in text
+        assert "vgpu:0 at 0B0 waits for the gradient 1B0 sends to stage 0" in text
+        model.zero_grad()
+        assert pipe.train_step(batch).loss > 0                       # and the pipeline works on
+
+
+def _raised(call):
+    try:
+        call()
+    except Exception as e:
+        return e
+    return None

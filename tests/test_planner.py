@@ -271,3 +271,10 @@ def test_a_cost_curve_is_weighed_too_and_keeps_what_it_weighed():
     for c in plans.simulated:
         with c.pipeline(model) as pipe:
             assert list(c.device_bytes) == [f.total for f in pipe.memory_estimate(batch)], c.label
+
+
+@pytest.mark.parametrize("given", [[], (), ["4"], [2.0]])
+def test_micro_batch_choices_that_are_no_counts_are_refused_in_words(model, curve, given):
+    with pytest.raises(ValueError, match=r"micro_batches=.*: give one whole number or a list of them, divisors of "
+                                         r"the batch width 8, or None to try every divisor"):
+        plan(model, make_batch(), 2, costs=curve, micro_batches=given)

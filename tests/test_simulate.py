@@ -207,3 +207,29 @@ def test_a_pipelines_own_link_is_simulated_and_a_schedules_counts_are_not_overri
     edited.actions[0].remove(edited.actions[0][-1])
     with pytest.raises(ValueError, match="is missing"):
         simulate(edited, [1.0, 1.0])
+
+
+def test_costs_profiled_on_another_model_are_refused_by_simulate_and_plan():
+    from conftest import make_batch
+    from mpedu.pipeline import Pipeline
+    from mpedu.planner import plan
+    from mpedu.profile import profile
+    model, other, batch = tiny_model(), tiny_model(hidden_size=48), make_batch(T=6, B=8)
+    theirs = profile(other, batch, micro_batches=2, warmup=0, repeats=1)
+    assert theirs.profiled and theirs.names == model.layer_names          # the names alone cannot tell them apart
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,lstm2,decode:vgpu1", "gpipe", micro_batches=2) as pipe:
+        ours, mine = (4 * sum(p.numel() for p in m.layers["lstm0"].parameters()) for m in (other, model))
+        with pytest.raises(ValueError, match=f"profiled on another model: its lstm0 holds {ours:,} bytes of weights, "
+                                             f"this model's {mine:,}; profile this model"):
+            simulate(pipe, theirs)
+        assert simulate(pipe, profile(model, batch, micro_batches=2, warmup=0, repeats=1)).makespan > 0
+    with pytest.raises(ValueError, match="profiled on another model"):
+        plan(model, batch, 2, costs=theirs)
+
+
+@pytest.mark.parametrize("field", ["output_bytes", "activation_bytes", "param_bytes"])
+def test_a_stage_cost_refuses_a_negative_or_nan_size(field):
+    with pytest.raises(ValueError, match=rf"a stage's {field}=-1: expected a finite number >= 0"):
+        StageCost(1.0, **{field: -1})
+    with pytest.raises(ValueError, match=rf"a stage's {field}=nan"):
+        StageCost(1.0, **{field: float("nan")})

@@ -66,3 +66,25 @@ def test_events_handed_later_are_built_once_at_the_first_look():
     assert built == [1] and len(t.events) == 2           # built once
     t.events = []
     assert t.makespan == 0.0
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d.update(devices="vgpu:0"), r"the timeline's devices must be a list of device names .* got 'vgpu:0'"),
+    (lambda d: d.update(devices=5), r"the timeline's devices must be a list of device names .* got 5"),
+    (lambda d: d.update(events=None), r"the timeline's events must be a list of events, got NoneType"),
+    (lambda d: d["events"][3].update(start="x"), r"event 3 of the timeline: start='x'; it must be a finite number"),
+    (lambda d: d["events"][1].update(end=float("nan")), r"event 1 of the timeline: end=nan; it must be a finite"),
+    (lambda d: d["events"][1].update(end=float("inf")), r"event 1 of the timeline: end=inf; it must be a finite"),
+    (lambda d: d["events"][2].update(end=d["events"][2]["start"] - 4),
+     r"event 2 of the timeline: end=.*; it must be at or after its start"),
+    (lambda d: d["events"][0].update(kind="Z"), r"event 0 of the timeline: kind='Z'; it must be one of F, R, B, W"),
+    (lambda d: d["events"][0].update(mb=-1), r"event 0 of the timeline: mb=-1; it must be a whole number >= 0"),
+    (lambda d: d["events"][0].update(stage=1.5), r"event 0 of the timeline: stage=1.5; it must be a whole number"),
+    (lambda d: d["events"][0].update(peer=3), r"event 0 of the timeline: peer=3; it must be a device name"),
+], ids=["devices text", "devices a number", "events None", "start text", "end NaN", "end inf", "end before start",
+        "unknown kind", "negative micro-batch", "fractional stage", "peer a number"])
+def test_from_dict_refuses_a_malformed_field_naming_the_event_and_the_field(change, words):
+    d = two_device_gpipe().to_dict()
+    change(d)
+    with pytest.raises(ValueError, match=words):
+        Timeline.from_dict(d)

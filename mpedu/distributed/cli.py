@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ..heartbeat import LIMIT as HEARTBEAT
 from ..model import CONFIGS
-from ..options import add_training_options, count, join_dash_values, non_negative_float, positive_int
+from ..options import add_training_options, count, folder, join_dash_values, non_negative_float, positive_int
 from ..recipes import TORCHRUN_CONFIG
 from .group import TIMEOUT, stop_heartbeat
 
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         # default SUPPRESS: no attribute at all unless given (apply_recipe reads a missing --bptt as "no stream")
         t.add_argument(option, nargs="?", action=_NotOffered, help=argparse.SUPPRESS, default=argparse.SUPPRESS,
                        why=why)
-    t.add_argument("--out", default="runs/distributed", metavar="DIR",
+    t.add_argument("--out", type=folder, default="runs/distributed", metavar="DIR",
                    help="where rank 0 writes model.pt and the timeline (default: runs/distributed)")
     t.add_argument("--limit-batches", type=positive_int, metavar="N",
                    help="use only the first N batches of each split per epoch: a quick run")
@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dropout", type=float, default=0.0, metavar="P",
                    help="dropout probability of the model (default: 0); the masks are positional, so any P "
                         "gives the one-process numbers")
-    c.add_argument("--out", metavar="DIR", help="write grads-<schedule>-rank<r>.pt, check.json, the timelines "
-                   "and the inputs (check-init.pt, check-batch.pt) here")
+    c.add_argument("--out", type=folder, metavar="DIR",
+                   help="write grads-<schedule>-rank<r>.pt, check.json, the timelines and the inputs (check-init.pt, "
+                   "check-batch.pt) here")
     _add_pipeline_options(c, "one or more, comma-separated: " + SCHEDULE_HELP + " (default: gpipe)")
     return parser
 
