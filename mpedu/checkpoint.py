@@ -232,6 +232,11 @@ def _check_parts(obj: dict, parts: dict, path, kind: str) -> None:
             found = "missing" if key not in obj else f"a {type(obj[key]).__name__}"
             raise CheckpointError(f"{kind} {path} is damaged: its {key!r} entry is {found}, expected a "
                                   f"{kind_of.__name__}; delete it, or pick another --out")
+    unknown = sorted(set(obj["config"]) - set(LMConfig.__dataclass_fields__))
+    if unknown:
+        raise CheckpointError(f"{kind} {path} has model settings this mpedu does not know ({', '.join(map(str, unknown))}): "
+                              "it was written by a newer mpedu or another program. Load it with the mpedu that "
+                              "wrote it, or delete it, or pick another --out")
     try:
         config = LMConfig(**obj["config"])
     except TypeError as e:
@@ -245,6 +250,14 @@ def _check_parts(obj: dict, parts: dict, path, kind: str) -> None:
         raise CheckpointError(f"{kind} {path} is damaged: its weights are not a map of names to tensors")
     # embed 1 + 4 per LSTM layer + decode 2 tensors: checked before building anything of that size
     layers = config.num_layers
+    if isinstance(layers, int) and not isinstance(layers, bool) and 4 * layers + 3 < len(obj["model"]):
+        with torch.device("meta"):
+            known = set(LSTMLM(obj["vocab_size"], config).state_dict())
+        extra = sorted(set(obj["model"]) - known)
+        if extra:
+            raise CheckpointError(f"{kind} {path} holds weights this mpedu does not know ({', '.join(extra[:3])}): "
+                                  "it was written by a newer mpedu or another program. Load it with the mpedu "
+                                  "that wrote it, or delete it, or pick another --out")
     if not isinstance(layers, int) or isinstance(layers, bool) or 4 * layers + 3 != len(obj["model"]):
         raise CheckpointError(f"{kind} {path} is damaged: its config has num_layers={layers!r}, but it "
                               f"holds {len(obj['model'])} weight tensors")

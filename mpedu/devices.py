@@ -119,13 +119,15 @@ def device_list(devices) -> list[Device]:
         devs = [get_device(d) for d in devices]
     except TypeError:
         raise TypeError(f"devices={devices!r}: give a count, e.g. 2, or names, e.g. ['vgpu:0', 'vgpu:1']") from None
+    if not devs:
+        raise ValueError("devices=[] names no device: give a count, e.g. 2, or names, e.g. ['vgpu:0', 'vgpu:1']")
     twice = sorted({d.name for d in devs if devs.count(d) > 1})
     if twice:
         raise ValueError(f"devices {[d.name for d in devs]} name {', '.join(twice)} twice; give each device once")
     return devs
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+_UNITS = {"": 1, "b": 1, "byte": 1, "bytes": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$")
 
@@ -169,7 +171,9 @@ def format_size(nbytes: float, up: bool = False) -> str:
                 value = math.ceil(round(value / step, 9)) * step
             if float(f"{value:.3g}") >= 1000 and k > 0:    # 999,999 bytes: "1 MB", not "1e+03 kB"
                 unit, value = units[k - 1][0], value / 1000
-            return f"{value:.0f} bytes" if unit == "bytes" else f"{value:.3g} {unit}"
+            if unit == "bytes":
+                return f"{value:.0f} byte" if round(value) == 1 else f"{value:.0f} bytes"
+            return f"{value:.3g} {unit}"
 
 
 def own_cores(devices: list[Device]) -> list[int] | None:

@@ -48,6 +48,7 @@ class StageCost:
     def __post_init__(self):
         if self.trainable_bytes is None:
             object.__setattr__(self, "trainable_bytes", self.param_bytes)
+        check_number("a stage's forward (seconds)", self.forward)     # before 2 x forward: '1' x 2 is '11'
         if self.backward is None:
             object.__setattr__(self, "backward", 2.0 * self.forward)
         for half in ("backward_input", "backward_weight"):

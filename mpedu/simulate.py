@@ -55,21 +55,23 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
         recompute = recompute if recompute is not None else getattr(schedule, "recompute", None)
         link = link if link is not None else getattr(schedule, "link", None)
         schedule = schedule.schedule
+    if not isinstance(schedule, (str, Schedule)):
+        raise TypeError(f"simulate's schedule: give a name such as 'gpipe', a Schedule or a Pipeline, got {schedule!r}")
     if isinstance(costs, Costs):
         if placement is None:
             raise ValueError("per-layer Costs need the placement to group layers into stages: "
                              "simulate(pipe, costs) or simulate(schedule, costs, placement)")
         stage_costs = costs.stages(placement)
     else:
-        given = type(costs).__name__
+        given = f"text {costs!r}" if isinstance(costs, str) else type(costs).__name__
         try:
-            costs = list(costs)
+            costs = [] if isinstance(costs, (str, bytes)) else list(costs)   # text is no list of costs
         except TypeError:
             costs = []
         if not costs:
             raise ValueError(f"costs: give per-layer Costs (mpedu.profile) or one cost per stage, e.g. [1.0, 1.0]; "
                              f"got an empty or unusable {given}")
-        stage_costs = [c if isinstance(c, StageCost) else StageCost(float(c)) for c in costs]
+        stage_costs = [_stage_cost(s, c) for s, c in enumerate(costs)]
     if isinstance(schedule, str):
         if micro_batches is None:
             raise ValueError(f"simulate({schedule!r}, ...) needs micro_batches=m to build the schedule")
@@ -98,6 +100,16 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     return _play(schedule, stage_costs, names, Link.parse(link), _speeds(speed, names), cores, modes)
 
 
+def _stage_cost(s: int, cost) -> StageCost:
+    """Stage s's cost: a StageCost, or a number of seconds (F = x, B + W = 2x)."""
+    if isinstance(cost, StageCost):
+        return cost
+    if isinstance(cost, bool) or not isinstance(cost, Real):
+        raise ValueError(f"costs[{s}]={cost!r}: give each stage's cost as a number of seconds (its forward) or a "
+                         "StageCost, e.g. [1.0, 1.0]")
+    return StageCost(float(cost))
+
+
 def _speeds(speed, names: list[str]) -> list[float]:
     if speed is None:
         return [1.0] * len(names)
@@ -105,10 +117,17 @@ def _speeds(speed, names: list[str]) -> list[float]:
         unknown = [k for k in speed if k not in names]
         if unknown:
             raise ValueError(f"speed names device {unknown[0]!r}, which is not in this plan ({', '.join(names)})")
-        factors = [float(speed.get(n, 1.0)) for n in names]
+        factors = [speed.get(n, 1.0) for n in names]
+        if not all(isinstance(x, Real) and not isinstance(x, bool) for x in factors):
+            raise ValueError(f"speed={speed!r}: give {{device name: number}}, e.g. {{'gpu:1': 0.5}} (twice as slow)")
+        factors = [float(x) for x in factors]
     elif isinstance(speed, Real):
         factors = [float(speed)] * len(names)
     else:
+        if isinstance(speed, (str, bytes)) or not all(isinstance(x, Real) and not isinstance(x, bool)
+                                                       for x in _items(speed)):
+            raise ValueError(f"speed={speed!r}: give one number for every device (0.5: twice as slow), a list of "
+                             "one per device, or {device name: number}")
         factors = [float(x) for x in speed]
         if len(factors) != len(names):
             raise ValueError(f"{len(factors)} speed factors for {len(names)} devices; give one per device")
@@ -117,6 +136,13 @@ def _speeds(speed, names: list[str]) -> list[float]:
         raise ValueError(f"device {bad[0][0]} has speed {bad[0][1]}; speeds are positive (1 = as profiled, "
                          "0.5 = twice as slow)")
     return factors
+
+
+def _items(values) -> list:
+    try:
+        return list(values)
+    except TypeError:
+        return [values]
 
 
 def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], link: Link,

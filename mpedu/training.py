@@ -39,6 +39,11 @@ def scheduled_lr(lr: float, epoch: int, first: int, factor: float) -> float:
     return lr / factor if epoch >= first else lr
 
 
+def _at(epoch: int, batch: int) -> str:
+    """Where a checkpoint stands, as a person counts: position (2, 0) is the end of epoch 2, not epoch 3."""
+    return f"after epoch {epoch}" if batch == 0 and epoch > 0 else f"at epoch {epoch + 1}, batch {batch}"
+
+
 def make_batches(sentences, batch_size: int, *, bptt: int | None = None, buckets=None,
                  shuffle: bool = False, seed: int = 0, whole: bool = False):
     """A BucketIterator over sentences, or a StreamIterator (carried state) when `bptt` is given.
@@ -261,8 +266,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
             return
         if not all_finite([p.detach() for p in params]):   # never replace a good checkpoint by a broken model
             found = find_fault(model, runner)
-            raise NumericFault(f"the weights became non-finite before the checkpoint at epoch {epoch + 1}, "
-                               f"batch {batch}: {found}; {ckpt_path} keeps the last good state. Lower the "
+            raise NumericFault(f"the weights became non-finite before the checkpoint {_at(epoch, batch)}: {found}; "
+                               f"{ckpt_path} keeps the last good state. Lower the "
                                f"learning rate (now {lr:g}) and resume", layer=found.layer,
                                stage=found.stage, device=found.device)
         # mid-epoch in stream mode, the state the next batch starts from (any runner loads it): its first
@@ -276,7 +281,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
                             epoch=epoch, batch=batch, totals=totals, placement=placement, settings=settings,
                             options=options, carried=state)
         except OSError as e:      # disk full, a file-size limit, ...: the old checkpoint is untouched
-            raise WriteFailed(f"cannot write the checkpoint at epoch {epoch + 1}, batch {batch} to {ckpt_path}: "
+            raise WriteFailed(f"cannot write the checkpoint {_at(epoch, batch)} to {ckpt_path}: "
                               f"{why(e)}; {kept()}. Free some space (or pick another --out) and resume") from e
         last_saved = (epoch, batch)
 
@@ -294,6 +299,12 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
             train_batches.set_epoch(epoch)
         n_batches = min(len(train_batches), limit_batches or len(train_batches))
         start = first_batch if epoch == first_epoch else 0
+        if start and start >= n_batches:      # mpedu writes a mid-epoch position below the epoch's length
+            raise CheckpointError(f"checkpoint {ckpt_path} says it stopped at batch {start:,} of epoch {epoch + 1}, "
+                                  f"but an epoch here has {n_batches:,} batches (batch size {batch_size}"
+                                  + (f", --limit-batches {limit_batches}" if limit_batches else "")
+                                  + "): it was edited, or the data or batch size changed; delete it, or pick "
+                                  "another --out")
         if start == 0:
             totals = fresh_totals()
         earlier = totals["train_seconds"]  # time spent on this epoch before a resume

@@ -174,6 +174,7 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_the_old_checkpoin
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "File too large" in proc.stderr and "is as it was before this run" in proc.stderr
+    assert "cannot write the checkpoint after epoch 2 to" in proc.stderr      # (not "at epoch 3, batch 0" of 2)
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
     assert not list(tmp_path.glob(".*.tmp"))                    # the half-written temp file is gone
 
@@ -485,3 +486,34 @@ def test_the_checkpoint_names_live_in_checkpoint_and_the_old_training_module_is_
         assert hasattr(checkpoint, name), name
     assert mpedu.load_model is checkpoint.load_model
     assert importlib.util.find_spec("mpedu.train") is None
+
+
+def _rewritten(good_checkpoint, tmp_path, change):
+    """The good checkpoint changed by `change(obj)`, its tensor checksums recomputed: as mpedu would write it."""
+    ckpt = torch.load(io.BytesIO(good_checkpoint), weights_only=True)
+    change(ckpt)
+    ckpt.pop("checksums")
+    ckpt["checksums"] = checksums(ckpt)
+    out = tmp_path / "run"
+    out.mkdir(exist_ok=True)
+    torch.save(ckpt, out / "checkpoint.pt")
+    return out
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda c: c["config"].update(rotary=True), r"has model settings this mpedu does not know \(rotary\)"),
+    (lambda c: c["model"].update({"layers.decode.gate": torch.zeros(3)}),
+     r"holds weights this mpedu does not know \(layers.decode.gate\)"),
+], ids=["a config field", "a weight"])
+def test_a_checkpoint_of_a_newer_mpedu_is_called_that_not_damaged(tmp_path, little, good_checkpoint, change, words):
+    out = _rewritten(good_checkpoint, tmp_path, change)
+    with pytest.raises(CheckpointError, match=words) as e:
+        train(lm(little), little, epochs=2, out=out, resume=True, limit_batches=2, **quiet(**RUN))
+    assert "written by a newer mpedu or another program" in str(e.value) and "damaged" not in str(e.value)
+
+
+def test_a_position_past_the_epochs_end_is_refused_before_any_step(tmp_path, little, good_checkpoint):
+    out = _rewritten(good_checkpoint, tmp_path, lambda c: c["position"].update(epoch=0, batch=10**9))
+    with pytest.raises(CheckpointError, match=r"says it stopped at batch 1,000,000,000 of epoch 1, but an epoch "
+                                              r"here has 2 batches \(batch size \d+, --limit-batches 2\)"):
+        train(lm(little), little, epochs=1, out=out, resume=True, limit_batches=2, **quiet(**RUN))

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from conftest import FUZZ, make_batch, tiny_model
-from mpedu.devices import PR_GET_TIMERSLACK, CallerThread, Device, Worker, describe_devices, get_device, get_devices, list_devices, parse_size, virtual_count
+from mpedu.devices import PR_GET_TIMERSLACK, CallerThread, Device, Worker, describe_devices, get_device, get_devices, list_devices, format_size, parse_size, virtual_count
 
 
 def test_virtual_devices_are_listed_as_virtual():
@@ -223,3 +223,10 @@ def test_sizes_for_people_round_up_when_asked_and_never_print_an_exponent():
     assert format_size(555_000, up=True) == "555 kB" and format_size(12.2, up=True) == "13 bytes"
     assert parse_size(format_size(555_072, up=True)) >= 555_072
     assert format_size(999_999) == "1 MB" and format_size(2.5e12) == "2.5 TB"   # not "1e+03 kB"
+
+
+@pytest.mark.parametrize("nbytes", [1, 12, 999, 1234, 5_555_555])
+def test_every_size_mpedu_writes_reads_back_as_a_memory_cap(nbytes):
+    # "--memory-cap '12 bytes'" as a refusal printed it; above 999 bytes to the 3 digits written
+    assert parse_size(format_size(nbytes)) == pytest.approx(nbytes, rel=5e-3)
+    assert format_size(1) == "1 byte"

@@ -55,3 +55,19 @@ def test_a_worker_ends_with_its_torchrun_only(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     group._end_with_the_launcher()
     assert len(killed) == 1 and "rank 1: the torchrun that started this process has gone" in capsys.readouterr().err
+
+
+def test_a_rank_whose_peer_went_silent_says_the_peer_may_be_stopped_or_gone(monkeypatch, capsys):
+    # what rank 0 prints when the backend gives up on a peer (--timeout, no heartbeat): the silent rank says
+    # nothing itself (stopped by Ctrl-Z or a debugger, or killed), so this line must say it may be
+    import mpedu.distributed.cli as dcli
+    import mpedu.distributed.commands as commands
+
+    def peer_gone(args):
+        raise RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(commands, "run_train", peer_gone)
+    assert dcli.main(["train", "--epochs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mpedu.distributed: error (rank 0): talking to the other ranks failed (RuntimeError: ")
+    assert "a rank that says nothing may be stopped, e.g. by Ctrl-Z or a debugger, or gone" in err

@@ -278,3 +278,10 @@ def test_micro_batch_choices_that_are_no_counts_are_refused_in_words(model, curv
     with pytest.raises(ValueError, match=r"micro_batches=.*: give one whole number or a list of them, divisors of "
                                          r"the batch width 8, or None to try every divisor"):
         plan(model, make_batch(), 2, costs=curve, micro_batches=given)
+
+
+def test_plan_on_no_devices_or_a_text_count_says_what_it_takes(model, curve):
+    with pytest.raises(ValueError, match=r"devices=\[\] names no device: give a count"):
+        plan(model, make_batch(), [], costs=curve)
+    with pytest.raises(ValueError, match="micro_batches='4': give one whole number"):
+        plan(model, make_batch(), 2, costs=curve, micro_batches="4")

@@ -233,3 +233,21 @@ def test_a_stage_cost_refuses_a_negative_or_nan_size(field):
         StageCost(1.0, **{field: -1})
     with pytest.raises(ValueError, match=rf"a stage's {field}=nan"):
         StageCost(1.0, **{field: float("nan")})
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: simulate(None, [1, 1]), TypeError, "simulate's schedule: give a name such as 'gpipe', a Schedule or a "
+                                                "Pipeline, got None"),
+    (lambda: simulate(42, [1, 1]), TypeError, "got 42"),
+    (lambda: simulate("gpipe", [None, 1], micro_batches=2), ValueError, r"costs\[0\]=None: give each stage's cost"),
+    (lambda: simulate("gpipe", [[1], [2]], micro_batches=2), ValueError, r"costs\[0\]=\[1\]: give each stage's cost"),
+    (lambda: simulate("gpipe", "abc", micro_batches=2), ValueError, "one cost per stage, e.g. .*; got an empty or "
+                                                                    "unusable text 'abc'"),
+    (lambda: simulate("gpipe", [1, 1], micro_batches=2, speed="fast"), ValueError, "speed='fast': give one number"),
+    (lambda: simulate("gpipe", [1, 1], micro_batches=2, speed={"gpu:0": "x"}), ValueError, "give {device name: number}"),
+    (lambda: StageCost("1"), ValueError, r"a stage's forward \(seconds\)='1': expected a finite number"),
+], ids=["schedule None", "schedule a number", "a cost None", "a cost a list", "costs text", "speed text",
+        "a speed text", "StageCost text"])
+def test_arguments_simulate_cannot_use_are_named_with_what_they_take(call, error, words):
+    with pytest.raises(error, match=words):
+        call()

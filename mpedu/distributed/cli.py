@@ -193,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         first = (str(e).splitlines() or [""])[0][:300]
         print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): talking to the other ranks failed "
-              f"({e.__class__.__name__}: {first}); see the other ranks' messages for the cause", file=sys.stderr)
+              f"({e.__class__.__name__}: {first}); see the other ranks' messages for the cause (a rank that says "
+              "nothing may be stopped, e.g. by Ctrl-Z or a debugger, or gone: killed, or out of memory)",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"mpedu.distributed: rank {os.environ.get('RANK', '?')} interrupted; nothing was saved (a run under "
