@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--placement", metavar="STR",
                        help='layers to devices, e.g. "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"')
     pipe.add_argument("--schedule", default="gpipe",
-                      help="pipeline schedule: naive, gpipe, 1f1b, interleaved, zb1, wavefront (default: gpipe)")
+                      help="pipeline schedule: naive, gpipe, 1f1b, interleaved, zb1, wavefront (default: gpipe), or "
+                      "a file of your own, one line of actions per device (0F0 0F1 0B0 0B1)")
     pipe.add_argument("--micro-batches", type=positive_int, metavar="M",
                       help="micro-batches per batch, at most --batch-size (default: the recipe's; laptop: 8, "
                            "others: 4)")
@@ -119,9 +120,10 @@ def _error(message: str, code: int = 2) -> int:
 
 def build_runner(model, args):
     """SingleDevice for `--devices 1` without a placement; otherwise a Pipeline."""
+    from .schedules import Schedule, canonical, from_option
     if args.placement is None and args.devices == 1:
-        from .schedules import canonical
-        canonical(args.schedule)        # a misspelt schedule is refused whatever runs it
+        if not Path(args.schedule).is_file():
+            canonical(args.schedule)    # a misspelt schedule is refused whatever runs it
         if args.chunks > 1:
             raise ValueError(f"--chunks {args.chunks} cuts a pipeline's micro-batches along time, and --devices 1 "
                              "runs no pipeline; use --devices 2 or more with --schedule wavefront, or a --placement")
@@ -141,7 +143,13 @@ def build_runner(model, args):
         placement = Placement.parse(args.placement, model)
     else:
         placement = Placement.even(model, get_devices(args.devices))
-    return Pipeline(model, placement, schedule=args.schedule, micro_batches=args.micro_batches, chunks=args.chunks,
+    # a hand-written schedule file brings its own micro-batch and chunk counts (--micro-batches, if given, must agree)
+    schedule = from_option(args.schedule, placement.stage_devices,
+                           args.micro_batches if args.micro_batches_given else None)
+    own = isinstance(schedule, Schedule)
+    return Pipeline(model, placement, schedule=schedule,
+                    micro_batches=None if own and not args.micro_batches_given else args.micro_batches,
+                    chunks=None if own and args.chunks == 1 else args.chunks,
                     memory_cap=args.memory_cap, link=args.link, recompute=args.recompute)
 
 

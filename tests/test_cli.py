@@ -515,3 +515,30 @@ def test_an_empty_out_is_refused_instead_of_writing_into_the_current_folder(caps
     assert "argument --out: " in (err := capsys.readouterr().err)
     assert "names no folder; give one, e.g. runs/mine, or . for the current folder" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_hand_written_schedule_file_trains_on_threads_as_under_torchrun(capsys, tmp_path):
+    mine = tmp_path / "mine.txt"
+    mine.write_text("# 1F1B by hand\n0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
+    args = ["train", "--config", "tiny", "--epochs", "1", "--limit-batches", "2", "--batch-size", "16",
+            "--no-baselines", "--no-progress", "--json", "--out", str(tmp_path / "run"), "--schedule", str(mine)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "schedule mine, 2 micro-batches" in out                # its counts come from the file
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["schedule"] == "mine" and summary["micro_batches"] == 2
+    assert main(args + ["--micro-batches", "4"]) == 2               # a count given beside it must agree
+    assert "micro-batch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda d: d / "missing.txt", r"missing.txt: no such file, and no schedule has that name \(naive, gpipe"),
+    (lambda d: d, "is a folder; give a file with one line of actions per device"),
+    (lambda d: (d / "bin.txt", (d / "bin.txt").write_bytes(b"\xfd\x00\x01"))[0],
+     r"bin.txt is not UTF-8 text \(byte 0xfd at offset 0\)"),
+], ids=["missing", "a folder", "binary"])
+def test_a_schedule_file_that_cannot_be_read_is_named_with_what_is_wrong(capsys, tmp_path, make, words):
+    path = make(tmp_path)
+    assert main(["train", "--config", "tiny", "--epochs", "1", "--limit-batches", "1", "--no-baselines",
+                 "--schedule", str(path), "--out", str(tmp_path / "run")]) == 2
+    assert re.search(words, capsys.readouterr().err)

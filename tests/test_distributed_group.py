@@ -71,3 +71,28 @@ def test_a_rank_whose_peer_went_silent_says_the_peer_may_be_stopped_or_gone(monk
     err = capsys.readouterr().err
     assert err.startswith("mpedu.distributed: error (rank 0): talking to the other ranks failed (RuntimeError: ")
     assert "a rank that says nothing may be stopped, e.g. by Ctrl-Z or a debugger, or gone" in err
+
+
+def test_a_long_refusal_under_torchrun_is_cut_like_the_threads_commands(monkeypatch, capsys):
+    import mpedu.distributed.cli as dcli
+    import mpedu.distributed.commands as commands
+
+    def huge(args):
+        raise ValueError("0B3: appears twice\n" + "   dev 0 " + " 0F1" * 50_000)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(commands, "run_train", huge)
+    assert dcli.main(["train", "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpedu.distributed: error (rank 1): 0B3: appears twice") and len(err) < 2_200
+    assert "(200,028 characters)" in err
+
+
+def test_ranks_compare_schedule_files_by_content_and_show_a_digest_not_the_text(tmp_path):
+    from mpedu.distributed.commands import _content
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("0F0 0B0\n1F0 1B0\n")
+    b.write_text("0F0 0B0\n1F0 1B0\n")
+    assert _content(str(a)) == _content(str(b))                     # paths differ between machines
+    assert _content(str(a)).startswith("a file of 3 lines, sha256 ") and "0F0" not in _content(str(a))
+    b.write_text("0F0 0B0\n1F0 1B0 \n")
+    assert _content(str(a)) != _content(str(b)) and _content("gpipe") == "gpipe"

@@ -27,11 +27,10 @@ of its public ScheduleLoopedBFS, ScheduleInterleaved1F1B and ScheduleInterleaved
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
-from ..schedules import Action, Schedule, ScheduleError, make
+from ..schedules import Schedule, ScheduleError, from_option, make
+from ..schedules import read as read_schedule      # mpedu.distributed.read_schedule: a hand-written schedule
 
 RUNTIME = _PipelineScheduleRuntime
 
@@ -59,37 +58,14 @@ def resolve(schedule: str | Schedule, stage_ranks: list[int], micro_batches: int
     return schedule.validate()
 
 
-def read_schedule(text: str, stage_ranks: list[int], micro_batches: int, name: str = "by hand") -> Schedule:
-    """A hand-written schedule: one line per device, its actions in order, e.g. for 2 devices
-
-        0F0 0F1 0B0 0B1
-        1F0 1B0 1F1 1B1
-
-    ('#' starts a comment; blank lines are skipped). A stage with W actions has its backward
-    split into B + W; `1F0.1` names time chunk 1. Returned validated (ScheduleError says why not)."""
-    rows = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            rows.append([Action.parse(word) for word in line.replace(",", " ").split()])
-    if len(rows) != max(stage_ranks) + 1:
-        raise ValueError(f"the schedule {name!r} has {len(rows)} device lines but the placement uses "
-                         f"{max(stage_ranks) + 1} devices; write one line of actions per device")
-    split = frozenset(a.stage for row in rows for a in row if a.kind == "W")
-    chunks = 1 + max((a.chunk for row in rows for a in row), default=0)
-    return Schedule(name, tuple(stage_ranks), micro_batches, rows, chunks=chunks, split_backward=split).validate()
-
-
 def schedule_arg(value: str, stage_ranks: list[int], micro_batches: int) -> str | Schedule:
-    """A --schedule value: an existing file holds a hand-written schedule (read_schedule); else a name."""
-    path = Path(value)
-    if path.is_file():
-        return read_schedule(path.read_text(), stage_ranks, micro_batches, name=path.stem)
+    """A --schedule value under torchrun: a hand-written schedule file (mpedu.schedules.from_option), else a
+    name; the wavefront is refused here (its time chunks cannot cross ranks)."""
     if value.strip().lower() == "wavefront":
         raise ValueError("--schedule wavefront cuts sentences into time chunks, whose LSTM state cannot travel "
                          "between ranks (no --chunks here); with one chunk it is GPipe: use gpipe, or run the "
                          "wavefront on mpedu's threads (python -m mpedu train --schedule wavefront --chunks 4)")
-    return value
+    return from_option(value, stage_ranks, micro_batches)
 
 
 def torch_order(schedule: Schedule) -> dict[int, list[_Action]]:

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from ..heartbeat import LIMIT as HEARTBEAT
 from ..model import CONFIGS
-from ..options import add_training_options, count, folder, join_dash_values, non_negative_float, positive_int
+from ..options import (add_training_options, count, folder, join_dash_values, non_negative_float, positive_int,
+                       shorten)
 from ..recipes import TORCHRUN_CONFIG
 from .group import TIMEOUT, stop_heartbeat
 
@@ -183,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_check(args) if args.command == "check" else run_train(args)
     except ValueError as e:   # a placement, schedule or size the pipeline cannot run: every rank says why
-        print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): {e}", file=sys.stderr)
+        print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): {shorten(str(e), 2000)}", file=sys.stderr)
         return 2
     except FloatingPointError as e:   # NumericFault: the step, the layer, its stage
-        print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): {e}", file=sys.stderr)
+        print(f"mpedu.distributed: error (rank {os.environ.get('RANK', '?')}): {shorten(str(e), 2000)}", file=sys.stderr)
         return 1
     except (dist.DistError, RuntimeError) as e:   # a peer failed or timed out: one line, not the backend's traceback
         if not isinstance(e, dist.DistError) and not any(sign in str(e) for sign in _PEER_FAILED):

@@ -34,9 +34,8 @@ def same_everywhere(args, corpus) -> None:
     """Refuse, on every rank at once, options or data that differ between the ranks: on several machines each
     types its own command, and a different --lr trains silently wrong, a different --seed breaks a collective."""
     mine = {key: value for key, value in sorted(vars(args).items()) if key not in _OWN and not callable(value)}
-    if isinstance(mine.get("schedule"), str):     # a hand-written schedule file: its text, not its path
-        mine["schedule"] = ",".join(Path(item.strip()).read_text() if Path(item.strip()).is_file() else item
-                                    for item in mine["schedule"].split(","))
+    if isinstance(mine.get("schedule"), str):     # a hand-written schedule file: its content, not its path
+        mine["schedule"] = ",".join(_content(item.strip()) for item in mine["schedule"].split(","))
     digest = hashlib.sha256("\n".join(corpus.vocab.itos).encode())
     for split in (corpus.train, corpus.valid, corpus.test):     # every token id, in order (milliseconds for PTB)
         digest.update(f"{len(split)};".encode())
@@ -52,6 +51,17 @@ def same_everywhere(args, corpus) -> None:
             told = "; ".join(f"rank {r}: {v}" for r, v in enumerate(seen))
             raise ValueError(f"the ranks were started with different {what} ({told}); give every process the "
                              "same options and the same data")
+
+
+def _content(item: str) -> str:
+    """A --schedule item as the ranks compare it: a file by its size and digest (shown in a refusal, where its
+    whole text would fill the screen once per rank), a name as it is."""
+    path = Path(item)
+    if not path.is_file():
+        return item
+    data = path.read_bytes()
+    lines = data.count(b"\n") + 1
+    return f"a file of {lines:,} lines, sha256 {hashlib.sha256(data).hexdigest()[:12]}"
 
 
 def _say(rank: int):
