@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,6 +137,13 @@ def _read(path: Path, max_line_tokens: int) -> tuple[list[list[str]], int]:
             if b"\0" in raw:        # valid UTF-8, but no text has them: UTF-16 or UTF-32 without a byte-order mark
                 raise CorpusError(f"{path}:{lineno}: holds NUL bytes (the first at column {raw.index(0) + 1}): a "
                                   "UTF-16 or UTF-32 file? Save it as UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8)")
+            # a file without line ends is one line: refused before the split, whose words as strings would
+            # take ~10x the file's size in memory only to be refused (a bare CR ends a line too)
+            parts = raw.split(b"\r") if b"\r" in raw else (raw,)
+            if len(raw) > 16 * max_line_tokens:         # (shorter lines cost little to split)
+                longest = max(_count_tokens(part) for part in parts)
+                if longest > max_line_tokens:
+                    raise _too_long(path, lineno, longest, max_line_tokens)
             # a bare CR (old Mac line ends) ends a sentence too; a CRLF's CR goes with the newline
             for k, part in enumerate(line.rstrip("\r\n").split("\r")):
                 lineno += k > 0
@@ -144,11 +152,7 @@ def _read(path: Path, max_line_tokens: int) -> tuple[list[list[str]], int]:
                     blank += 1
                     continue
                 if len(words) > max_line_tokens:
-                    raise CorpusError(f"{path}:{lineno}: a line of {len(words):,} tokens is longer than "
-                                      f"max_line_tokens={max_line_tokens:,}; the format is one sentence per line, "
-                                      "so the file's line ends may be missing. If this is intended, pass a larger "
-                                      "max_line_tokens to mpedu.load_corpus (the command line reads at most "
-                                      f"{MAX_LINE_TOKENS:,} tokens per line)")
+                    raise _too_long(path, lineno, len(words), max_line_tokens)
                 if PAD in words:
                     raise CorpusError(f"{path}:{lineno}: the token {PAD} is reserved for padding and may not "
                                       f"appear in the text")
@@ -157,6 +161,22 @@ def _read(path: Path, max_line_tokens: int) -> tuple[list[list[str]], int]:
         raise CorpusError(f"{path} contains no sentences ({blank} blank lines); "
                           f"expected one whitespace-tokenised sentence per line")
     return sentences, blank
+
+
+def _too_long(path, lineno: int, tokens: int, max_line_tokens: int) -> CorpusError:
+    return CorpusError(f"{path}:{lineno}: a line of {tokens:,} tokens is longer than max_line_tokens="
+                       f"{max_line_tokens:,}; the format is one sentence per line, so the file's line ends may be "
+                       "missing. If this is intended, pass a larger max_line_tokens to mpedu.load_corpus (the "
+                       f"command line reads at most {MAX_LINE_TOKENS:,} tokens per line)")
+
+
+def _count_tokens(raw: bytes) -> int:
+    """The whitespace-separated tokens of a line, counted without making them (ASCII whitespace: never more
+    than str.split finds)."""
+    return sum(1 for _ in _TOKEN.finditer(raw))
+
+
+_TOKEN = re.compile(rb"\S+")
 
 
 def read_sentences(path, max_line_tokens: int = MAX_LINE_TOKENS) -> list[list[str]]:

@@ -260,3 +260,22 @@ def test_a_utf16_corpus_without_a_byte_order_mark_is_refused_naming_the_line(tmp
         (tmp_path / f"ptb.{split}.txt").write_bytes(text)
     with pytest.raises(CorpusError, match=r"ptb.train.txt:1: holds NUL bytes .*UTF-16 or UTF-32 file\? Save it as UTF-8"):
         load_corpus(tmp_path)
+
+
+def test_a_file_without_line_ends_is_refused_before_its_words_are_made(tmp_path):
+    import tracemalloc
+    _corpus(tmp_path, b" ".join(b"w%d" % i for i in range(200_000)))   # one line of 200,000 tokens, 1.3 MB
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorpusError, match=r"ptb.train.txt:1: a line of 200,000 tokens is longer than "
+                                              r"max_line_tokens=10,000"):
+            load_corpus(tmp_path, max_line_tokens=10_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 6_000_000        # the line and its text; split into 200,000 strings it held over 13 MB
+
+
+def test_old_mac_line_ends_are_many_lines_not_one_long_one(tmp_path):
+    _corpus(tmp_path, b"a b c\r" * 5_000)                   # 5,000 sentences of 3 tokens, separated by CR only
+    assert len(load_corpus(tmp_path, max_line_tokens=10).train) == 5_000
