@@ -16,7 +16,7 @@ import torch
 
 from .files import atomic_write, temp_prefix
 from .model import CONFIGS, LMConfig, LSTMLM
-from .options import shorten
+from .values import shorten
 
 CHECKPOINT_FORMAT = "mpedu-checkpoint-1"
 MODEL_FORMAT = "mpedu-model-1"

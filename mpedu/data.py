@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 
 from . import synthetic
-from .options import check_number
+from .values import check_number
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 SPECIALS = (PAD, UNK, EOS)

@@ -1,30 +1,15 @@
-"""The values people give, checked: train()'s numbers, and the command-line options and argument types shared by
-`python -m mpedu` and `python -m mpedu.distributed` (each error names the value and what is expected)."""
+"""The command-line options and argument types shared by `python -m mpedu` and `python -m mpedu.distributed`
+(each error names the value and what is expected; the number checks themselves are mpedu.values')."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import numbers
 
 from .link import LINKS, Link, format_bandwidth, format_seconds
 from .model import CONFIGS
 from .recipes import CONFIG, recipe_for
-
-
-def check_number(name: str, value, *, integer: bool = False, minimum: float = 0, above: bool = False,
-                  maximum: float = math.inf, none_ok: bool = False):
-    """A finite number (a whole one if `integer`) at least `minimum` (more than it if `above`), below `maximum`."""
-    if value is None and none_ok:
-        return None
-    kind = numbers.Integral if integer else numbers.Real
-    bad = isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) \
-        or value < minimum or (above and value == minimum) or value >= maximum
-    if bad:
-        need = "a whole number" if integer else "a finite number"
-        bound = (f"> {minimum:g}" if above else f">= {minimum:g}") + (f" and < {maximum:g}" if maximum < math.inf else "")
-        raise ValueError(f"{name}={value!r}: expected {need} {bound}" + (" or None" if none_ok else ""))
-    return value
+from .values import shorten
 
 
 # ---------------------------------------------------------------- the command lines
@@ -148,11 +133,6 @@ def add_training_options(parser: argparse.ArgumentParser, clip_over: str, resume
     parser.add_argument("--skip-bad-batches", action="store_true",
                         help="skip a batch whose loss or gradient is NaN or inf (counted in the summary) instead "
                              "of stopping")
-
-
-def shorten(text: str, limit: int = 60) -> str:
-    """`text` whole if short, else its start and how long it was: an error never echoes a 10,000-character value."""
-    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text):,} characters)"
 
 
 def apply_recipe(args, log=print):

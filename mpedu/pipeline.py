@@ -75,12 +75,7 @@ class Pipeline:
             raise ValueError(f"chunks must be a whole number >= 1, got {chunks!r}")
         if isinstance(micro_batches, bool):
             raise ValueError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}")
-        if model.config.tie_weights:
-            embed_dev, decode_dev = self.placement.assignment["embed"], self.placement.assignment["decode"]
-            if embed_dev != decode_dev:
-                raise ValueError(f"tied weights: embed ({embed_dev}) and decode ({decode_dev}) share one weight "
-                                 "matrix, so they must sit on the same device; place them together or build "
-                                 "the model with tie_weights=False")
+        self.placement.check_tied_weights(model)
         stage_devices = self.placement.stage_devices
         if isinstance(schedule, Schedule):
             if list(schedule.stage_devices) != stage_devices:

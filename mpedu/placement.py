@@ -83,6 +83,19 @@ class Placement:
     def single(cls, model, device: Device | str = "vgpu:0") -> "Placement":
         return cls(model.layer_names, {name: device for name in model.layer_names})
 
+    # -- checks ---------------------------------------------------------------------
+    def check_tied_weights(self, model) -> None:
+        """Refuse a weight used by layers on two devices (tied embedding and decoder): each device would
+        update its own copy, and the two would drift apart. On one device a tied weight is fine."""
+        owner: dict[int, str] = {}
+        for name in self.layer_names:
+            for p in model.layers[name].parameters():
+                other = owner.setdefault(id(p), name)
+                if self.assignment[other] != self.assignment[name]:
+                    raise ValueError(f"tied weights: {other} ({self.assignment[other]}) and {name} "
+                                     f"({self.assignment[name]}) share one weight matrix, so they must sit on the "
+                                     "same device; place them together or build the model with tie_weights=False")
+
     # -- derived --------------------------------------------------------------------
     @property
     def stages(self) -> list[tuple[Device, list[str]]]:

@@ -31,7 +31,7 @@ from .bounds import held_units, memory_floor, time_bound
 from .costcurve import CostCurve, profile_curve
 from .devices import device_list, format_size, parse_size
 from .footprint import check_mode, device_footprints
-from .options import check_number
+from .values import check_number
 from .placement import Placement
 from .planplot import plot_plans
 from .profile import Costs, StageCost

@@ -12,7 +12,7 @@ from . import dropout
 from .devices import Worker, get_device, result_of
 from .footprint import param_sizes
 from .model import nll_sum
-from .options import check_number
+from .values import check_number
 from .runner import check_batch
 from .stage import count_saved, is_recurrent
 

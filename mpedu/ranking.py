@@ -5,7 +5,7 @@ import itertools
 import statistics
 from dataclasses import dataclass
 
-from .options import check_number
+from .values import check_number
 
 
 @dataclass

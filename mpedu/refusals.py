@@ -38,7 +38,7 @@ def check(layers: list[str], devices: list[str], assignment: dict, schedule: str
     m = micro_batches
     stage_devices, p = placement.stage_devices, len(devices)
     several = len(set(stage_devices)) != len(stage_devices)
-    in_turn = len(stage_devices) % p == 0 and all(d == s % p for s, d in enumerate(stage_devices))
+    in_turn = schedules.is_round_robin(stage_devices) and max(stage_devices) + 1 == p
     if schedule in ("1f1b", "zb1") and several and not (schedule == "1f1b" and in_turn):
         stages = placement.stages
         d = next(dev for dev, _ in stages if [x for x, _ in stages].count(dev) > 1)

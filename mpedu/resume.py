@@ -7,7 +7,7 @@ from pathlib import Path
 from .checkpoint import CheckpointError, load_checkpoint, set_rng_state
 from .faults import all_finite
 from .history import History
-from .options import check_number
+from .values import check_number
 from .runner import check_carried
 
 # what every epoch record of a History holds (and summary() reads)

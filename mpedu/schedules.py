@@ -282,7 +282,7 @@ def one_f_one_b(stage_devices, m: int) -> Schedule:
     so stage s holds the activations of at most n - s micro-batches (GPipe: m)."""
     n = len(stage_devices)
     if len(set(stage_devices)) != n:
-        if _is_round_robin(stage_devices):
+        if is_round_robin(stage_devices):
             return interleaved(stage_devices, m)
         raise ValueError(f"1f1b needs one stage per device, or stages dealt round-robin to devices "
                          f"(interleaved); got stage devices {list(stage_devices)}. Use schedule='gpipe' "
@@ -298,7 +298,8 @@ def one_f_one_b(stage_devices, m: int) -> Schedule:
     return Schedule("1f1b", tuple(stage_devices), m, rows)
 
 
-def _is_round_robin(stage_devices) -> bool:
+def is_round_robin(stage_devices) -> bool:
+    """Stage s on device s % p for every stage: interleaved's (looped) placement, v >= 1 stages per device."""
     p = max(stage_devices) + 1
     return len(stage_devices) % p == 0 and all(d == s % p for s, d in enumerate(stage_devices))
 
@@ -309,7 +310,7 @@ def interleaved(stage_devices, m: int) -> Schedule:
     the bubble shrinks by a factor v at the cost of v times more transfers."""
     p, n = max(stage_devices) + 1, len(stage_devices)
     v = n // p
-    if not _is_round_robin(stage_devices) or v < 2:
+    if not is_round_robin(stage_devices) or v < 2:
         raise ValueError(f"interleaved needs each of the p devices to hold v >= 2 stages dealt round-robin "
                          f"(stage s on device s % p), got stage devices {list(stage_devices)}; e.g. "
                          "'embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu0 | lstm3,decode:vgpu1'")

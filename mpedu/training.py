@@ -17,7 +17,7 @@ from .files import OutLock, WriteFailed, prepare_out, why
 from .faults import NumericFault, all_finite, find_fault
 from .history import History, perplexity
 from .model import LSTMLM
-from .options import check_number
+from .values import check_number
 # the defaults are the tiny recipe's (mpedu.recipes explains them and the learning-rate convention)
 from .recipes import BATCH_SIZE, CLIP, EPOCHS, LR
 from .resume import fresh_totals, restore

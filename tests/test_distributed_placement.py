@@ -2,7 +2,7 @@
 import pytest
 
 from conftest import tiny_model
-from mpedu.distributed import check_tied_weights, rank_placement
+from mpedu.distributed import rank_placement
 
 
 def test_device_labels_become_ranks_in_order_of_appearance():
@@ -30,5 +30,5 @@ def test_placement_errors_name_the_fix(text, world, words):
 def test_tied_weights_cannot_span_ranks():
     model = tiny_model(num_layers=1, embed_size=64, tie_weights=True)
     with pytest.raises(ValueError, match="tied weights"):
-        check_tied_weights(model, rank_placement(model, "embed:a | lstm0,decode:b", 2))
-    check_tied_weights(model, rank_placement(model, "embed,lstm0,decode:a", 1))   # one rank: fine
+        rank_placement(model, "embed:a | lstm0,decode:b", 2).check_tied_weights(model)
+    rank_placement(model, "embed,lstm0,decode:a", 1).check_tied_weights(model)   # one rank: fine

@@ -27,9 +27,9 @@ from .bridge import ActionListSchedule, ScheduleRefused, read_schedule, torch_or
 from .group import Mesh, choose_backend, mesh, setup
 from .native import TorchPlan, plan_schedule
 from .pipeline import DistributedPipeline
-from .placement import check_tied_weights, rank_placement
+from .placement import rank_placement
 from .stages import FAIL_ENV, ContiguousGrad, StageModule
 
 __all__ = ["ActionListSchedule", "ContiguousGrad", "DistributedPipeline", "FAIL_ENV", "Mesh", "ScheduleRefused",
-           "StageModule", "TorchPlan", "check_tied_weights", "choose_backend", "mesh", "plan_schedule",
+           "StageModule", "TorchPlan", "choose_backend", "mesh", "plan_schedule",
            "rank_placement", "read_schedule", "setup", "torch_order"]

@@ -13,7 +13,7 @@ import torch
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from ..schedules import canonical
+from ..schedules import canonical, is_round_robin
 
 NAMES = ("naive", "gpipe", "1f1b", "interleaved", "zb1")    # those PyTorch has a class for
 
@@ -27,7 +27,7 @@ def layout(stage_ranks: list[int]) -> str:
     p, n = max(stage_ranks) + 1, len(stage_ranks)
     if n == p:
         return "single"
-    if n % p == 0 and all(r == s % p for s, r in enumerate(stage_ranks)):
+    if is_round_robin(stage_ranks):
         return "looped"
     if n == 2 * p and stage_ranks == list(range(p)) + list(reversed(range(p))):
         return "v"

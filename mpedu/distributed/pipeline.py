@@ -37,7 +37,7 @@ from .. import dropout
 from .bridge import RUNTIME, ActionListSchedule, resolve
 from .group import mesh as make_mesh
 from .native import plan_schedule
-from .placement import check_tied_weights, rank_placement
+from .placement import rank_placement
 from .stages import FAIL_ENV, StageModule, TimedStage, out_width
 from .timing import Recorder, merge, shared_origin
 
@@ -75,7 +75,7 @@ class DistributedPipeline:
         self.mesh = make_mesh(pipeline_devices)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.placement = rank_placement(model, placement, self.mesh.pipeline)
-        check_tied_weights(model, self.placement)
+        self.placement.check_tied_weights(model)
         self.stage_ranks = self.placement.stage_devices          # stage s runs in pipeline rank stage_ranks[s]
         self.micro_batches = micro_batches
         if runtime == "torch":

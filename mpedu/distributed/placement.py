@@ -47,17 +47,3 @@ def _check_world(placement: Placement, world_size: int) -> Placement:
                          f"{', '.join(str(r) for r in range(p, world_size))} would hold no layers; start {p} "
                          f"processes (or --pipeline-devices {p}), or place layers on every rank")
     return placement
-
-
-def check_tied_weights(model, placement: Placement) -> None:
-    """A Parameter used by layers on two ranks would get two diverging copies: refuse."""
-    owner: dict[int, tuple[str, str]] = {}
-    for name in model.layer_names:
-        dev = placement.assignment[name].name
-        for p in model.layers[name].parameters():
-            if id(p) in owner and owner[id(p)][1] != dev:
-                other, other_dev = owner[id(p)]
-                raise ValueError(f"layers {other!r} ({other_dev}) and {name!r} ({dev}) share a weight (tied "
-                                 "weights), which cannot be split over processes; place them on the same "
-                                 "device or build the model with tie_weights=False")
-            owner.setdefault(id(p), (name, dev))
