@@ -61,9 +61,8 @@ def find_fault(model: LSTMLM, runner=None, batch=None) -> Fault:
     pipeline (a runner with `owned` layers and `agree_on_fault`), the rank looks at its own layers
     only (its copies of the others are stale) and every rank then names the same fault.
     """
-    agree = getattr(runner, "agree_on_fault", None)
-    if agree is not None:
-        return agree(_search(model, runner, None, list(runner.owned), getattr(runner, "bad_before_clip", None)))
+    if runner.owned is not None:          # one torchrun rank: its own layers, then what every rank agrees on
+        return runner.agree_on_fault(_search(model, runner, None, list(runner.owned), runner.bad_before_clip))
     return _search(model, runner, batch, model.layer_names)
 
 
@@ -120,10 +119,10 @@ def _first_bad_output(model: LSTMLM, batch):
 
 def _locate(runner, model, layer: str) -> tuple[int | None, str]:
     """(stage index, device name) of a layer: from the pipeline's placement, else the runner's device."""
-    placement = getattr(runner, "placement", None)
-    if placement is not None and hasattr(placement, "stages"):
+    placement = runner.placement
+    if placement is not None:
         for s, (dev, names) in enumerate(placement.stages):
             if layer in names:
                 return s, str(dev)
-    device = getattr(runner, "device", None) or next(model.layers[layer].parameters()).device
+    device = runner.device or next(model.layers[layer].parameters()).device
     return None, str(device)

@@ -17,7 +17,7 @@ from .devices import (CallerThread, Device, Worker, get_devices, own_cores, stop
 from .link import Link, format_duration
 from .mailbox import Aborted, Mailbox
 from .placement import Placement
-from .runner import StepResult, check_batch, check_carried
+from .runner import BaseRunner, StepResult, check_batch, check_carried
 from .schedules import Action, Schedule, ScheduleError
 from .stage import Stage
 from .timeline import Event, Timeline
@@ -31,7 +31,7 @@ def _nothing() -> None:
     """An empty job: a worker has finished every job queued before it once it has run."""
 
 
-class Pipeline:
+class Pipeline(BaseRunner):
     """A model split into stages over devices, trained one schedule step at a time.
 
         pipe = Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "gpipe", micro_batches=4)
@@ -63,6 +63,8 @@ class Pipeline:
     mpedu.footprint for what it saves here); {stage: mode} chooses per stage. Gradients are the same either way:
     dropout draws the same masks on the re-run (mpedu.dropout).
     """
+
+    carries_state = True
 
     def __init__(self, model, placement: Placement | str | dict | int = 2, schedule: str | Schedule = "gpipe",
                  micro_batches: int | None = None, chunks: int | None = None, memory_cap=None, link: Link | str | None = None,

@@ -1,5 +1,5 @@
-"""The runner contract: what one step reports, which batches a runner accepts, and the protocol
-SingleDevice, Pipeline and the torchrun pipeline share. The ground floor: executors import this,
+"""The runner contract: what one step reports, which batches a runner accepts, and the protocol (with
+its defaults, BaseRunner) SingleDevice, Pipeline and the torchrun pipeline share. The ground floor: executors import this,
 never the training loop."""
 from __future__ import annotations
 
@@ -26,16 +26,27 @@ class StepResult:
 
 @runtime_checkable
 class Runner(Protocol):
-    """What the training loop needs from whatever runs a step (one device, threads, or torchrun ranks).
+    """What the training loop and the fault search use from whatever runs a step (one device, threads,
+    or torchrun ranks): every member, so that none is probed for (a renamed one would silently take a
+    default). BaseRunner gives the defaults; SingleDevice, Pipeline and DistributedPipeline build on it.
 
     train_step accumulates the mean NLL's gradients into the model's `.grad` (the caller zeroes
     them and steps the optimizer); eval_step computes without gradients. Both refuse a batch
     check_batch refuses. reset_state forgets recurrent state carried between batches (stream mode).
     Dropout masks are those of mpedu.dropout's Position(dropout_seed, dropout_step); a train_step
     counts dropout_step up, and the loop sets it from the global step so a resumed run matches.
-    A runner that splits batches into m micro-batches says so in `micro_batches` (else 1 is assumed).
     """
 
+    model: object
+    placement: object            # a Placement (where the layers sit), or None on one device
+    device: object               # a one-device runner's torch device, or None (read from the weights)
+    micro_batches: int           # the pieces a batch is split into (its width must divide by it)
+    chunks: int                  # time chunks per micro-batch (the wavefront)
+    owned: list | None           # the layers this process holds (a torchrun rank), None: every layer
+    world: int                   # processes taking part in a step
+    clip: float | None           # a gradient clip the runner applies itself in every train_step
+    bad_before_clip: list | None  # a torchrun rank's layers whose gradients were not finite before its clip
+    carries_state: bool          # stream mode resumes exactly: carried_state / load_carried_state work
     dropout_seed: int
     dropout_step: int
 
@@ -45,10 +56,51 @@ class Runner(Protocol):
 
     def reset_state(self) -> None: ...
 
-    # Stream mode, optional: carried_state() -> {layer: (h, c)} of the whole batch width (or None), and
-    # load_carried_state(state), so that a checkpoint taken mid-epoch resumes exactly (SingleDevice, Pipeline).
+    def carried_state(self) -> dict | None: ...
+
+    def load_carried_state(self, state: dict | None) -> None: ...
+
+    def clip_grad_norm(self, max_norm: float) -> None: ...
+
+    def agree_on_fault(self, found): ...
 
     def close(self) -> None: ...
+
+
+class BaseRunner:
+    """The defaults of the Runner contract: a runner of the whole model in one process."""
+
+    placement = None
+    device = None
+    micro_batches = 1
+    chunks = 1
+    owned = None
+    world = 1
+    clip = None
+    bad_before_clip = None
+    carries_state = False
+    dropout_seed = 0
+    dropout_step = 0
+
+    def reset_state(self) -> None:
+        pass
+
+    def carried_state(self) -> dict | None:
+        return None
+
+    def load_carried_state(self, state: dict | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} carries no recurrent state between batches")
+
+    def clip_grad_norm(self, max_norm: float) -> None:
+        """Scale the gradients so that their norm over the whole model is at most max_norm."""
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def agree_on_fault(self, found):
+        """The fault every process names (one process: its own)."""
+        return found
+
+    def close(self) -> None:
+        pass
 
 
 def check_carried(state, model) -> int:
@@ -121,5 +173,5 @@ def fit_width(batch, micro_batches: int):
 
 def fitted(runner, batch):
     """`batch` padded to a width `runner` can split into its micro-batches (unchanged for one)."""
-    m = getattr(runner, "micro_batches", 1)
+    m = runner.micro_batches
     return fit_width(batch, m) if m > 1 else batch

@@ -5,10 +5,10 @@ import torch
 
 from . import dropout
 from .model import LSTMLM, detach_state, nll_sum
-from .runner import StepResult, check_batch, check_carried
+from .runner import BaseRunner, StepResult, check_batch, check_carried
 
 
-class SingleDevice:
+class SingleDevice(BaseRunner):
     """The reference runner: the whole model on one torch device.
 
     `train_step` accumulates gradients into `.grad` (the trainer zeroes and steps).
@@ -17,6 +17,8 @@ class SingleDevice:
     Dropout masks are those of Position(dropout_seed, dropout_step) (mpedu.dropout), the
     same a Pipeline draws; each train_step counts dropout_step up.
     """
+
+    carries_state = True
 
     def __init__(self, model: LSTMLM, device: str | torch.device = "cpu"):
         self.device = torch.device(device)

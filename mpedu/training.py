@@ -102,8 +102,7 @@ def step(runner, optimizer, batch, *, clip: float | None = CLIP) -> tuple[StepRe
         return result, False
     if clip:
         # a runner holding part of the model (a torchrun rank) clips over every rank's gradients
-        over_all = getattr(runner, "clip_grad_norm", None)
-        over_all(clip) if over_all is not None else torch.nn.utils.clip_grad_norm_(params, clip)
+        runner.clip_grad_norm(clip)
     optimizer.step()
     return result, True
 
@@ -133,13 +132,13 @@ def _holding_out(train_fn):
         if kwargs.get("out") is None:
             return train_fn(model, corpus, **kwargs)
         runner = kwargs.get("runner")
-        owned = getattr(runner, "owned", None)                   # a torchrun rank's layers
+        owned = runner.owned if isinstance(runner, Runner) else None    # a torchrun rank's layers
         if owned is not None and set(owned) != set(model.layer_names):
             raise ValueError(f"out= saves checkpoints of the whole model, but this runner (one torchrun rank) trains "
                              f"only {', '.join(owned)}: the other layers' weights here are their first ones. Leave "
                              "out=None under torchrun and gather the trained weights at the end with "
                              "runner.gather_state_dict(), as python -m mpedu.distributed train does for model.pt")
-        if getattr(runner, "world", 1) > 1:                      # data parallel: every rank holds every layer
+        if isinstance(runner, Runner) and runner.world > 1:     # data parallel: every rank holds every layer
             raise ValueError(f"out= would have each of the {runner.world} torchrun ranks write the same checkpoint; "
                              "leave out=None under torchrun and save the weights from rank 0 at the end")
         with OutLock(prepare_out(kwargs["out"]), log=kwargs.get("log", print)):
@@ -196,11 +195,11 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     if not isinstance(runner, Runner):
         raise TypeError(f"runner={runner!r} is not a runner; give a Pipeline or SingleDevice built on this model, "
                         "e.g. runner=mpedu.Pipeline(model, placement, 'gpipe')")
-    if getattr(runner, "model", model) is not model:
+    if runner.model is not model:
         raise ValueError("the runner was built on another model than the one given to train (the optimizer "
                          "would update weights whose gradients never come); build it on this model: "
                          "Pipeline(model, ...)")
-    own_clip = getattr(runner, "clip", None)              # a DistributedPipeline built with clip= clips each step
+    own_clip = runner.clip                                # a DistributedPipeline built with clip= clips each step
     if own_clip and clip and own_clip != clip:
         log(f"note: the runner clips each step's gradients at {own_clip:g} itself, and train's clip={clip:g} clips "
             f"them again (to the smaller); pass clip=None to train, or build the runner without clip=")
@@ -211,11 +210,11 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     settings = {"batch_size": batch_size, "seed": seed, "bptt": bptt, "buckets": list(buckets) if buckets else None,
                 "limit_batches": limit_batches}
     options = {"lr": float(lr), "clip": clip, "lr_decay": list(lr_decay) if lr_decay else None,   # a resume may change
-               "micro_batches": getattr(runner, "micro_batches", 1), "chunks": getattr(runner, "chunks", 1)}
-    placement = str(runner.placement) if hasattr(runner, "placement") else None
+               "micro_batches": runner.micro_batches, "chunks": runner.chunks}
+    placement = str(runner.placement) if runner.placement is not None else None
     # Every split is batched before anything is trained, so a setting the data cannot meet
     # (a bad bucket list, time chunks longer than a bucket) fails now, not after an hour.
-    chunks = getattr(runner, "chunks", 1)
+    chunks = runner.chunks
     cut = {}                                # split -> its batches, where limit_batches evaluates only part
     for split in ("train", "valid", "test"):
         try:
@@ -273,7 +272,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         # mid-epoch in stream mode, the state the next batch starts from (any runner loads it): its first
         # batch_size columns, the stream's; a pipeline's batch was widened by empty columns (fitted) when its
         # micro-batches do not divide batch_size, and another runner's is not
-        state = getattr(runner, "carried_state", lambda: None)() if bptt and batch > 0 else None
+        state = runner.carried_state() if bptt and batch > 0 else None
         if state is not None:
             state = stream_columns(state, batch_size)
         try:
@@ -310,7 +309,7 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
         earlier = totals["train_seconds"]  # time spent on this epoch before a resume
         runner.reset_state()
         if start > 0 and carried is not None:   # stream mode, resumed mid-epoch: the state the stop left
-            if hasattr(runner, "load_carried_state"):   # (a checkpoint written before the cut may be wider)
+            if runner.carries_state:                    # (a checkpoint written before the cut may be wider)
                 runner.load_carried_state(stream_columns(carried, batch_size))
             else:
                 log(f"note: {type(runner).__name__} cannot take the carried state back; it starts afresh")

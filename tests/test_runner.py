@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from conftest import VOCAB, first_batch, lm, make_batch, tiny_model
 from mpedu.pipeline import Pipeline
-from mpedu.runner import Runner, StepResult, check_batch, fit_width, fitted
+from mpedu.runner import BaseRunner, Runner, StepResult, check_batch, fit_width, fitted
 from mpedu.single import SingleDevice
 
 
@@ -98,6 +98,29 @@ def test_check_batch_names_what_is_wrong():
 def test_fitted_pads_only_for_a_runner_with_micro_batches():
     batch = make_batch(B=6)
 
-    class Split:
+    class Split(BaseRunner):
         micro_batches = 4
-    assert fitted(object(), batch) is batch and fitted(Split(), batch).inputs.shape[1] == 8
+    assert fitted(BaseRunner(), batch) is batch and fitted(Split(), batch).inputs.shape[1] == 8
+
+
+def test_every_runner_declares_the_whole_contract_and_one_that_does_not_is_refused(corpus):
+    from mpedu.training import train
+    model = tiny_model()
+    # what the training loop and the fault search use: declared (annotated or defined) by the protocol...
+    used = {"owned", "world", "clip", "clip_grad_norm", "agree_on_fault", "bad_before_clip", "device",
+            "carried_state", "load_carried_state", "carries_state", "placement", "micro_batches", "chunks", "model"}
+    assert all(m in Runner.__annotations__ or callable(getattr(Runner, m, None)) for m in used)
+    # ...and given by every runner (BaseRunner's defaults)
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,lstm2,decode:vgpu1") as pipe:
+        assert all(hasattr(r, m) for r in (SingleDevice(model), pipe) for m in used)
+
+    class Partial:                    # the six members of an older contract: a rename would take a default
+        dropout_seed = dropout_step = 0
+        model = None
+
+        def train_step(self, batch): ...
+        def eval_step(self, batch): ...
+        def reset_state(self): ...
+        def close(self): ...
+    with pytest.raises(TypeError, match="is not a runner"):
+        train(model, corpus, runner=Partial())

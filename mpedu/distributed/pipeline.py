@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..faults import Fault, all_finite, first_of
 from ..model import nll_sum
 from ..placement import Placement
-from ..runner import StepResult, fit_width
+from ..runner import BaseRunner, StepResult, fit_width
 from ..schedules import Schedule
 from ..timeline import ALL_REDUCE
 from .. import dropout
@@ -42,7 +42,7 @@ from .stages import FAIL_ENV, StageModule, TimedStage, out_width
 from .timing import Recorder, merge, shared_origin
 
 
-class DistributedPipeline:
+class DistributedPipeline(BaseRunner):
     """This rank's share of a model, trained with a torch.distributed.pipelining runtime.
 
     Call in every rank, after init_process_group, with the same model (same seed),
