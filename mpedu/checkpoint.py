@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import pickle
 import random
 import re
-import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -20,9 +18,6 @@ from .values import shorten
 
 CHECKPOINT_FORMAT = "mpedu-checkpoint-1"
 MODEL_FORMAT = "mpedu-model-1"
-# Tests only: seconds to sleep between writing the temp file and renaming it, so that a
-# test can kill the process inside that window and prove a half-written file is never read.
-SLOW_WRITE_ENV = "MPEDU_SLOW_CHECKPOINT_WRITE"
 
 
 class CheckpointError(ValueError):
@@ -50,14 +45,7 @@ def atomic_save(obj, path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(f):
-        torch.save(obj, f)
-        slow = os.environ.get(SLOW_WRITE_ENV)
-        if slow:
-            f.flush()
-            time.sleep(float(slow))
-
-    atomic_write(path, write)
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def remove_stale_temp(path) -> list[Path]:

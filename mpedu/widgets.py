@@ -69,7 +69,7 @@ class PipelineExplorer(w.VBox):
         if not 1 <= chunks <= most_chunks:
             raise ValueError(f"chunks={chunks}; the slider offers 1 to {most_chunks} time chunks")
         self.model, self.batch, self.steps = model, batch, steps
-        self.state_file = state_file or os.environ.get("MPEDU_WIDGET_STATE")   # for the browser test
+        self.state_file = state_file
         known = [] if costs is None else [costs] if hasattr(costs, "micro_batch") else list(costs)
         self._costs = {tuple(c.micro_batch): c for c in known}   # by (T, sequences per micro-batch)
         self.predicted = self.measured = None

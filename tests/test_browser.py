@@ -87,11 +87,24 @@ def _board(explorer) -> dict:
         (chip) => [chip.dataset.layer, chip.closest(".mpedu-device").dataset.device]))""")
 
 
+# A kernel startup file: the explorers a test's notebook builds write what Python sees to {state}.
+EXPLORER_STATE = """
+import mpedu.widgets as _widgets
+_build = _widgets.PipelineExplorer.__init__
+
+
+def _with_state_file(self, *args, state_file=None, **kwargs):
+    _build(self, *args, state_file=state_file or {state!r}, **kwargs)
+
+
+_widgets.PipelineExplorer.__init__ = _with_state_file
+"""
+
 class Server(NamedTuple):
     front_end: "FrontEnd"
     base: str            # http://127.0.0.1:<port>
     token: str
-    state: Path          # the explorer writes what Python sees here (MPEDU_WIDGET_STATE)
+    state: Path          # the explorer writes what Python sees here (EXPLORER_STATE)
     log: Path
 
     def get(self, path: str):
@@ -263,12 +276,16 @@ def server(request, tmp_path_factory):
     notebook = dirs["work"] / NOTEBOOK.name                  # a copy: the run saves nothing into the repository
     notebook.write_text(json.dumps(EXPLORER_NOTEBOOK))
     state, log_path = tmp_path / "explorer-state.json", tmp_path / "server.log"
+    # every kernel the server starts builds its explorers with state_file=state (IPython runs the startup files
+    # of the profile under HOME): mpedu itself has no switch for tests
+    startup = dirs["home"] / ".ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-explorer-state.py").write_text(EXPLORER_STATE.format(state=str(state)))
     port, token = _free_port(), uuid.uuid4().hex
     env = {**os.environ, "HOME": str(dirs["home"]), "TMPDIR": str(dirs["tmp"]),
            "JUPYTER_CONFIG_DIR": str(dirs["config"]), "JUPYTER_DATA_DIR": str(dirs["data"]),
            "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]), "JUPYTERLAB_SETTINGS_DIR": str(dirs["settings"]),
            "JUPYTERLAB_WORKSPACES_DIR": str(dirs["workspaces"]),
-           "MPEDU_WIDGET_STATE": str(state),                 # the explorer writes what Python sees here
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as log:
         process = subprocess.Popen(front_end.command(notebook, port, token), cwd=dirs["work"], env=env,

@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mpedu.__main__ as cli
 from conftest import FUZZ, lm, quiet
-from mpedu.checkpoint import (CheckpointError, SLOW_WRITE_ENV, atomic_save, checksums, load_checkpoint, load_model,
+from mpedu.checkpoint import (CheckpointError, atomic_save, checksums, load_checkpoint, load_model,
                               save_checkpoint)
 from mpedu.data import Corpus, Vocabulary, load_corpus
 from mpedu.history import History
@@ -374,9 +375,14 @@ def test_a_leftover_temp_file_is_removed_and_never_read(little, tmp_path):
     assert load_checkpoint(tmp_path / "checkpoint.pt")["history"] == before["history"]
 
 
-def test_the_slow_write_hook_only_delays_the_rename(tmp_path, monkeypatch):
-    monkeypatch.setenv(SLOW_WRITE_ENV, "0.01")
+def test_the_kill_tests_slow_write_only_delays_the_rename(tmp_path, monkeypatch):
+    import mpedu.checkpoint
+    from slow_checkpoints import slow_down
+    monkeypatch.setattr(mpedu.checkpoint, "atomic_write", mpedu.checkpoint.atomic_write)   # put back afterwards
+    slow_down(0.05)
+    start = time.monotonic()
     atomic_save({"x": torch.ones(2)}, tmp_path / "f.pt")
+    assert time.monotonic() - start >= 0.05
     assert torch.load(tmp_path / "f.pt", weights_only=True)["x"].tolist() == [1.0, 1.0]
     assert [p.name for p in tmp_path.iterdir()] == ["f.pt"]
 

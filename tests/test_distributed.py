@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from mpedu.files import LOCK_NAME
-from mpedu.distributed import FAIL_ENV
 from mpedu.distributed.cli import build_parser, pipeline_devices
 from mpedu.distributed.commands import compare
 from mpedu.model import LSTMLM, LMConfig, nll_sum
@@ -390,8 +389,8 @@ def test_train_keeps_the_recipes_decay_refuses_a_bad_out_first_and_says_when_it_
 
 @torchrun_job
 def test_a_failing_rank_makes_every_rank_exit_soon(tmp_path):
-    proc, seconds = torchrun("train", "--limit-batches", "2", "--epochs", "1", "--out", str(tmp_path),
-                             "--no-progress", env={FAIL_ENV: "1"}, timeout=90)
+    proc, seconds = torchrun("1", "train", "--limit-batches", "2", "--epochs", "1", "--out", str(tmp_path),
+                             "--no-progress", script=ROOT / "tests" / "failing_rank.py", timeout=90)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     assert seconds < 60, f"took {seconds:.0f} s"

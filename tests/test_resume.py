@@ -16,7 +16,7 @@ import torch
 import mpedu.__main__ as cli
 from conftest import lm, quiet
 from mpedu.bucketing import BucketIterator
-from mpedu.checkpoint import SLOW_WRITE_ENV, load_checkpoint, load_model
+from mpedu.checkpoint import load_checkpoint, load_model
 from mpedu.pipeline import Pipeline
 from mpedu.single import SingleDevice
 from mpedu.training import train
@@ -179,10 +179,9 @@ ARGS = ["train", "--config", "tiny", "--epochs", "3", "--limit-batches", "6", "-
 def _start(out: Path, *extra, slow: str | None = None):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONUNBUFFERED": "1"}
-    env.pop(SLOW_WRITE_ENV, None)
-    if slow:
-        env[SLOW_WRITE_ENV] = slow
-    return subprocess.Popen([sys.executable, "-m", "mpedu", *ARGS, "--out", str(out), *extra], cwd=out.parent,
+    # slow: every checkpoint write waits that long before its rename (tests/slow_checkpoints.py)
+    command = ["-m", "mpedu"] if slow is None else [str(ROOT / "tests" / "slow_checkpoints.py"), slow]
+    return subprocess.Popen([sys.executable, *command, *ARGS, "--out", str(out), *extra], cwd=out.parent,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -282,7 +281,6 @@ with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "1f1b", micro_bat
 
 def test_kill_9_and_resume_with_dropout_on_two_devices_equals_the_uninterrupted_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop(SLOW_WRITE_ENV, None)
 
     def start(out, seed):
         return subprocess.Popen([sys.executable, "-c", _DROPOUT_RUN, str(out), str(seed)], cwd=tmp_path, env=env,

@@ -28,8 +28,8 @@ from .group import Mesh, choose_backend, mesh, setup
 from .native import TorchPlan, plan_schedule
 from .pipeline import DistributedPipeline
 from .placement import rank_placement
-from .stages import FAIL_ENV, ContiguousGrad, StageModule
+from .stages import ContiguousGrad, StageModule
 
-__all__ = ["ActionListSchedule", "ContiguousGrad", "DistributedPipeline", "FAIL_ENV", "Mesh", "ScheduleRefused",
+__all__ = ["ActionListSchedule", "ContiguousGrad", "DistributedPipeline", "Mesh", "ScheduleRefused",
            "StageModule", "TorchPlan", "choose_backend", "mesh", "plan_schedule",
            "rank_placement", "read_schedule", "setup", "torch_order"]

@@ -22,8 +22,6 @@ masks at its columns, so every layout gives the one-process numbers.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -38,7 +36,7 @@ from .bridge import RUNTIME, ActionListSchedule, resolve
 from .group import mesh as make_mesh
 from .native import plan_schedule
 from .placement import rank_placement
-from .stages import FAIL_ENV, StageModule, TimedStage, out_width
+from .stages import StageModule, TimedStage, out_width
 from .timing import Recorder, merge, shared_origin
 
 
@@ -110,8 +108,6 @@ class DistributedPipeline(BaseRunner):
         # and be scaled twice by it
         self._weights = list({id(p): p for s in self.local for p in self.modules[s].parameters()}.values())
         self.dtype = next(model.parameters()).dtype
-        if os.environ.get(FAIL_ENV) == str(self.rank):
-            self.modules[self.local[0]].fail = True
         self.recorder = Recorder(self.device, shared_origin())   # one time axis for every rank's row
         self.recorder.enabled = record
         self._cache: dict[tuple, tuple] = {}

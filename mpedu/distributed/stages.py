@@ -7,8 +7,6 @@ contiguous at the stage boundary.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from torch.distributed import pipelining as pp
@@ -17,7 +15,6 @@ from .. import dropout
 from ..model import Decode, Embed, LSTMLayer
 from ..stage import is_recurrent
 
-FAIL_ENV = "MPEDU_DIST_FAIL_RANK"   # tests: this rank raises in its first stage forward
 
 
 class ContiguousGrad(torch.autograd.Function):
@@ -44,12 +41,8 @@ class StageModule(nn.Module):
         super().__init__()
         self.names = list(names)
         self.layers = nn.ModuleList(layers)   # the model's own modules: Parameters are shared
-        self.fail = False                     # set from FAIL_ENV, for the failure test
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fail:
-            raise RuntimeError(f"failure injected by {FAIL_ENV}={os.environ.get(FAIL_ENV)} in the stage "
-                               f"holding {','.join(self.names)}")
         if x.is_floating_point():
             x = ContiguousGrad.apply(x)       # (T, b, F) received from the previous rank
         else:
