@@ -139,8 +139,8 @@ def _read(path: Path, max_line_tokens: int) -> tuple[list[list[str]], int]:
                                   "UTF-16 or UTF-32 file? Save it as UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8)")
             # a file without line ends is one line: refused before the split, whose words as strings would
             # take ~10x the file's size in memory only to be refused (a bare CR ends a line too)
-            parts = raw.split(b"\r") if b"\r" in raw else (raw,)
             if len(raw) > 16 * max_line_tokens:         # (shorter lines cost little to split)
+                parts = raw.split(b"\r") if b"\r" in raw else (raw,)     # (split copies: only if need be)
                 longest = max(_count_tokens(part) for part in parts)
                 if longest > max_line_tokens:
                     raise _too_long(path, lineno, longest, max_line_tokens)

@@ -128,15 +128,16 @@ class Mailbox:
         waits = "; ".join(f"{_name(self._who.get(key))} waits for {self._describe(key)}" for key in self._waiting)
         self.failure = Deadlock(f"deadlock: every device waits for a tensor no device will send ({waits}); "
                                 f"{self._finished} of {self._workers} devices had run all their actions")
-        self.aborted = True
-        waiters, self._waiting = list(self._waiting.values()), {}
-        for waiter in waiters:
-            waiter.release()
+        self._wake_all()
 
     def abort(self) -> None:
         with self._lock:
-            self.aborted = True
-            waiters, self._waiting = list(self._waiting.values()), {}
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        """(Lock held.) Mark the step aborted and wake every parked receive: each then raises Aborted."""
+        self.aborted = True
+        waiters, self._waiting = list(self._waiting.values()), {}
         for waiter in waiters:
             waiter.release()
 

@@ -176,13 +176,11 @@ class Pipeline(BaseRunner):
                 f"pipe.schedule was changed after the Pipeline was built: it now puts stages on devices "
                 f"{counts[0]} with {counts[1]} micro-batches and {counts[2]} time chunks, this pipeline "
                 f"{self.placement.stage_devices}, {self.micro_batches} and {self.chunks}; build a new Pipeline")
-        if getattr(schedule, "_checked", None) != schedule._fingerprint():
-            try:
-                schedule.validate()
-            except ScheduleError as e:
-                raise ScheduleError(f"pipe.schedule was edited after the Pipeline was built and cannot run, so "
-                                    f"no step ran: {e}") from None
-        return schedule
+        try:
+            return schedule.validated()
+        except ScheduleError as e:
+            raise ScheduleError(f"pipe.schedule was edited after the Pipeline was built and cannot run, so "
+                                f"no step ran: {e}") from None
 
     def eval_step(self, batch) -> StepResult:
         """Forward only (no gradients), in GPipe's fill order."""

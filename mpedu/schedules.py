@@ -75,6 +75,7 @@ class Schedule:
     actions: list[list[Action]]
     chunks: int = 1
     split_backward: frozenset[int] = field(default_factory=frozenset)  # stages whose backward is B + W
+    _checked: int | None = field(default=None, init=False, repr=False, compare=False)  # what validate() passed
 
     @property
     def num_stages(self) -> int:
@@ -151,7 +152,14 @@ class Schedule:
                             raise ScheduleError(f"{Action(kind, s, i, c)} is missing: every stage needs "
                                                 f"{' and '.join(kinds)} for every micro-batch\n{self.grid()}")
         run_order(self)  # raises on deadlock
-        self._checked = self._fingerprint()   # simulate checks it again only if edited since
+        self._checked = self._fingerprint()
+        return self
+
+    def validated(self) -> "Schedule":
+        """This schedule, validated again only if its rows or counts changed since validate() last passed
+        (one hash when not: cheap enough for every step; a caller may edit the rows, lists, in place)."""
+        if self._checked != self._fingerprint():
+            self.validate()
         return self
 
     def _fingerprint(self) -> int:

@@ -79,8 +79,7 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
         schedule = schedules.make(schedule, stage_devices, micro_batches, 1 if chunks is None else chunks)
     else:
         schedule.check_counts(micro_batches, chunks)
-        if getattr(schedule, "_checked", None) != schedule._fingerprint():   # hand-built or edited since: what a
-            schedule.validate()                                               # Pipeline would refuse, refused here
+        schedule.validated()       # hand-built or edited since its last check: what a Pipeline would refuse, refused here
     if placement is not None and list(schedule.stage_devices) != placement.stage_devices:
         raise ValueError(f"schedule {schedule.name!r} was built for stage devices {list(schedule.stage_devices)}, "
                          f"but the placement {placement} gives {placement.stage_devices}; build the schedule "
