@@ -24,13 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, random_batch  # noqa: E402
 
-from mpedu.balance import balance_by_time  # noqa: E402
-from mpedu.model import LSTMLM  # noqa: E402
-from mpedu.pipeline import Pipeline  # noqa: E402
-from mpedu.placement import Placement  # noqa: E402
-from mpedu.cores import measure_cores  # noqa: E402
-from mpedu.profile import Costs, profile  # noqa: E402
-from mpedu.simulate import Link, simulate  # noqa: E402
+from mpedu.predict import Costs, balance_by_time, fit_link, measure_cores, profile, simulate  # noqa: E402
+from mpedu.runtime import Link  # noqa: E402
+from mpedu.lm import LSTMLM  # noqa: E402
+from mpedu.core import Pipeline, Placement  # noqa: E402
 
 T, B, M = 35, 32, 4
 VOCABS = (10000, 1000)
@@ -103,7 +100,7 @@ def main(argv=None):
     reports = {v: layer_report(medians[v]) for v in VOCABS}
     verdicts = {v: {other: lstm_vs(reports[v], other) for other in ("embed", "decode")} for v in VOCABS}
     share = statistics.median(cores)
-    link = Link(statistics.median(Link.fit(tl).latency_s for tls in measured.values() for tl in tls))
+    link = Link(statistics.median(fit_link(tl).latency_s for tls in measured.values() for tl in tls))
     rows = []
     for name, pipe in pipes.items():
         tls = sorted(measured[name], key=lambda tl: tl.makespan)

@@ -26,10 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine  # noqa: E402
 
-from mpedu.bucketing import BucketIterator  # noqa: E402
-from mpedu.data import load_corpus  # noqa: E402
-from mpedu.model import LSTMLM  # noqa: E402
-from mpedu.pipeline import Pipeline  # noqa: E402
+from mpedu.lm import BucketIterator, LSTMLM, load_corpus  # noqa: E402
+from mpedu.core import Pipeline  # noqa: E402
 
 PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
 B, M = 32, 4

@@ -2,7 +2,7 @@
 
     python bench/claims.py [--rounds 5]
 
-One line per claim (a `mpedu.claims` verdict: HOLDS, DOES NOT HOLD, or CANNOT SHOW NOW
+One line per claim (a `mpedu.course.claims` verdict: HOLDS, DOES NOT HOLD, or CANNOT SHOW NOW
 when fewer than 1.8 cores were free, so two virtual devices took turns), then one JSON
 object: `claims` (count), `held` (count), `failed` (names of claims that did not
 hold), `cannot_show` (names measured on too busy a machine), and every verdict.
@@ -27,13 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, random_batch  # noqa: E402
 
 import mpedu  # noqa: E402
-from mpedu.balance import balance_by_time  # noqa: E402
-from mpedu.claims import NEIGHBOURS, SLOW_LINK, compare, in_turn, measure_placements, within  # noqa: E402
-from mpedu.costmodel import gpu_costs  # noqa: E402
-from mpedu.devices import Worker, get_device  # noqa: E402
-from mpedu.cores import measure_cores  # noqa: E402
-from mpedu.profile import profile  # noqa: E402
-from mpedu.simulate import simulate  # noqa: E402
+from mpedu.predict import balance_by_time, gpu_costs, measure_cores, profile, simulate  # noqa: E402
+from mpedu.course import NEIGHBOURS, SLOW_LINK, compare, in_turn, measure_placements, within  # noqa: E402
+from mpedu.runtime import Worker, get_device  # noqa: E402
 
 M = 4                                          # micro-batches, as in the notebooks
 SPLIT = "embed,lstm0-2:vgpu0 | lstm3,decode:vgpu1"           # notebooks 03, 05-07

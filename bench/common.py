@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from mpedu.bucketing import Batch
-from mpedu.claims import in_turn
+from mpedu.lm import Batch
+from mpedu.course import in_turn
 
 
 def random_batch(vocab: int, T: int, B: int, seed: int = 0) -> Batch:
@@ -38,7 +38,7 @@ def paired_rounds(runs: dict, repeats: int, warmup: int = 3) -> dict[str, list[f
 
     Compare runs by `median_ratio` of the same rounds: a machine whose speed drifts
     (other tenants on a shared host) then slows both sides of each ratio alike.
-    (mpedu.claims.in_turn does the timing; the course's verdicts use it too.)
+    (mpedu.course.claims.in_turn does the timing; the course's verdicts use it too.)
     """
     return in_turn(runs, rounds=repeats, warmup=warmup)
 
@@ -55,8 +55,8 @@ def machine() -> dict:
 
 def pinned_workers(names) -> list:
     """One mpedu Worker per virtual device in `names`, each pinned to a core of its own as a Pipeline pins its
-    workers (mpedu.devices.own_cores), or unpinned where it cannot be (macOS, more devices than cores)."""
-    from mpedu.devices import Worker, get_device, own_cores
+    workers (mpedu.runtime.devices.own_cores), or unpinned where it cannot be (macOS, more devices than cores)."""
+    from mpedu.runtime import Worker, get_device, own_cores
     devices = [get_device(n) for n in names]
     cores = own_cores(devices)
     return [Worker(d, core=cores[k] if cores else None) for k, d in enumerate(devices)]

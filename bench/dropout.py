@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/dropout.py [--rounds 7] [--threads 1]
 
 mpedu's masks are a hash of (seed, step, layer, sequence, time step, feature) computed with
-integer ops (mpedu.dropout), so that every placement and schedule draws the same masks;
+integer ops (mpedu.lm.dropout), so that every placement and schedule draws the same masks;
 torch's nn.Dropout draws from its generator. Both models have the same weights and train
 the same batch on the single-device runner; the two are timed in turn, round after round,
 and compared by the median of the per-round ratios (bench/common.py). Also timed: one mask
@@ -25,11 +25,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from mpedu import dropout  # noqa: E402
-from mpedu.dropout import Position, PositionalDropout  # noqa: E402
-from mpedu.model import LSTMLM  # noqa: E402
-from mpedu.cores import measure_cores  # noqa: E402
-from mpedu.single import SingleDevice  # noqa: E402
+from mpedu.lm import LSTMLM, Position, PositionalDropout, dropout  # noqa: E402
+from mpedu.predict import measure_cores  # noqa: E402
+from mpedu.core import SingleDevice  # noqa: E402
 
 
 def with_torch_dropout(model: LSTMLM) -> LSTMLM:

@@ -35,14 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, pinned_workers, random_batch  # noqa: E402
 from quiet import quiet_rounds  # noqa: E402
 
-from mpedu.balance import balance_by_time  # noqa: E402
-from mpedu.model import LSTMLM, LMConfig  # noqa: E402
-from mpedu.pipeline import Pipeline  # noqa: E402
-from mpedu.placement import Placement  # noqa: E402
-from mpedu.cores import measure_cores  # noqa: E402
-from mpedu.costcurve import CostCurve  # noqa: E402
-from mpedu.profile import Costs, profile  # noqa: E402
-from mpedu.simulate import Link, simulate  # noqa: E402
+from mpedu.predict import CostCurve, Costs, balance_by_time, fit_link, measure_cores, profile, simulate  # noqa: E402
+from mpedu.runtime import Link  # noqa: E402
+from mpedu.lm import LSTMLM, LMConfig  # noqa: E402
+from mpedu.core import Pipeline, Placement  # noqa: E402
 
 VOCAB, T, B, M = 2000, 35, 64, 8
 BUCKET = 20                 # a shorter bucket than the batch, predicted from the curve between profiled lengths
@@ -125,7 +121,7 @@ def main(argv=None):
     probe.close()
     costs = [Costs.median([run[k] for run in profiles]) for k in range(len(first))]
     curve = CostCurve([costs[0]], costs[1:])
-    link = Link(statistics.median(Link.fit(tl).latency_s for tls in measured.values() for tl in tls))
+    link = Link(statistics.median(fit_link(tl).latency_s for tls in measured.values() for tl in tls))
     share, share3 = statistics.median(cores), statistics.median(cores3)
     rows = []
     for name, pname, _, options, which in cases:

@@ -76,15 +76,15 @@ class Check:
 
 def first_batch(batch_size: int = 16):
     """The first batch of the embedded corpus (it has padding), and the corpus's vocabulary size."""
-    from mpedu.bucketing import BucketIterator
-    from mpedu.data import load_corpus
+    from mpedu.lm import BucketIterator
+    from mpedu.lm import load_corpus
     corpus = load_corpus()
     return next(iter(BucketIterator(corpus.train, batch_size, seed=0))), len(corpus.vocab)
 
 
 def reference(model, batch):
     """The whole model on the CPU: (loss, {name: grad}); the model is left unchanged."""
-    from mpedu.model import nll_sum
+    from mpedu.lm import nll_sum
     ref = copy.deepcopy(model).cpu()
     loss = nll_sum(ref(batch.inputs)[0], batch.targets) / batch.tokens
     loss.backward()
@@ -159,8 +159,8 @@ def step_tests(check: Check):
 
 
 def step_mixed(check: Check):
-    from mpedu.model import LSTMLM
-    from mpedu.pipeline import Pipeline
+    from mpedu.lm import LSTMLM
+    from mpedu.core import Pipeline
     batch, vocab = first_batch()
     torch.manual_seed(0)
     model = LSTMLM.from_config("tiny", vocab, num_layers=3, dropout=0.0)
@@ -185,9 +185,9 @@ def race_probe(check: Check, placement: str, ordered: bool = True, steps: int = 
     ordering of the workers' streams after the caller's (the defect), to show the probe bites.
     The sleep goes after the clip: with a CPU stage the clip copies the CPU norm to the GPU and
     waits for that stream, which would wait the sleep out before the step was even queued."""
-    import mpedu.pipeline as pipeline
-    from mpedu import streams
-    from mpedu.model import LSTMLM
+    from mpedu.core import Pipeline
+    from mpedu.runtime import streams
+    from mpedu.lm import LSTMLM
     batch, vocab = first_batch()
     torch.manual_seed(0)
     model = LSTMLM.from_config("tiny", vocab, num_layers=3, dropout=0.0)
@@ -195,7 +195,7 @@ def race_probe(check: Check, placement: str, ordered: bool = True, steps: int = 
     if not ordered:
         streams.after = lambda caller_stream, job: job
     try:
-        with pipeline.Pipeline(model, placement, "1f1b", micro_batches=4) as pipe:
+        with Pipeline(model, placement, "1f1b", micro_batches=4) as pipe:
             optimizer = torch.optim.SGD(model.parameters(), lr=lr)
             gpus = [d.torch_device for d in pipe.devices if d.is_cuda]
             losses = []
@@ -214,7 +214,7 @@ def race_probe(check: Check, placement: str, ordered: bool = True, steps: int = 
 
 
 def cpu_sgd(steps: int = 3, lr: float = 2.0):
-    from mpedu.model import LSTMLM, nll_sum
+    from mpedu.lm import LSTMLM, nll_sum
     batch, vocab = first_batch()
     torch.manual_seed(0)
     model = LSTMLM.from_config("tiny", vocab, num_layers=3, dropout=0.0)
@@ -253,9 +253,9 @@ def step_race(check: Check):
 
 
 def step_train(check: Check):
-    from mpedu.memory import memory_report, measured_peak
-    from mpedu.model import LSTMLM
-    from mpedu.pipeline import Pipeline
+    from mpedu.predict import memory_report, measured_peak
+    from mpedu.lm import LSTMLM
+    from mpedu.core import Pipeline
     gpu = (f"embed,lstm0:{check.gpu(0)} | lstm1,decode:{check.gpu(1)}" if check.gpus >= 2 else
            f"embed,lstm0,lstm1,decode:{check.gpu(0)}")
     virtual = re.sub(r"(cuda|vgpu):(\d+)", lambda m: f"vgpu:{int(m.group(2)) % 4}", gpu)
@@ -319,8 +319,8 @@ def step_speed(check: Check, m: int = 8, repeats: int = 5):
     sys.path.insert(0, str(ROOT / "bench"))
     from common import random_batch
 
-    from mpedu.model import LSTMLM
-    from mpedu.pipeline import Pipeline
+    from mpedu.lm import LSTMLM
+    from mpedu.core import Pipeline
     if check.rehearse:        # the same steps on a model a CPU runs in seconds
         vocab, T, B = 1000, 10, 16
         model = LSTMLM.from_config("tiny", vocab, num_layers=8)

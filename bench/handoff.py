@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, pinned_workers  # noqa: E402
 
-from mpedu.mailbox import Mailbox  # noqa: E402
+from mpedu.core import Mailbox  # noqa: E402
 
 AFTER = ("releases", "python", "parked")
 

@@ -1,6 +1,6 @@
 """How fast one layer computes depending on what runs around it: the other core computing at the same time,
 or other work on its own core since it last ran. Both are why a layer inside a pipeline does not run at
-the speed `mpedu.profile` measures it alone, warm.
+the speed `mpedu.predict.profiling` measures it alone, warm.
 
     python bench/layer_context.py [--rounds 4] [--repeats 60]
 
@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, median_time  # noqa: E402
 
-from mpedu.cores import measure_cores  # noqa: E402
-from mpedu.devices import Worker, get_device, own_cores  # noqa: E402
-from mpedu.model import nll_sum  # noqa: E402
+from mpedu.predict import measure_cores  # noqa: E402
+from mpedu.runtime import Worker, get_device, own_cores  # noqa: E402
+from mpedu.lm import nll_sum  # noqa: E402
 
 H, T, b, V = 256, 35, 8, 2000
 

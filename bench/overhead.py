@@ -42,11 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, pinned_workers, random_batch  # noqa: E402
 
-from mpedu.devices import stop_workers, usable_cores  # noqa: E402
-from mpedu.mailbox import POLL_NAP_S  # noqa: E402
-from mpedu.model import LSTMLM, LMConfig, nll_sum  # noqa: E402
-from mpedu.pipeline import Pipeline  # noqa: E402
-from mpedu.schedules import one_f_one_b, run_order  # noqa: E402
+from mpedu.runtime import stop_workers, usable_cores  # noqa: E402
+from mpedu.core import Pipeline, POLL_NAP_S, one_f_one_b, run_order  # noqa: E402
+from mpedu.lm import LSTMLM, LMConfig, nll_sum  # noqa: E402
 
 
 def overhead_per_action(pipe, batch, repeats: int) -> tuple[float, float, int]:

@@ -37,12 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, random_batch  # noqa: E402
 from quiet import quiet_rounds, wait_quiet  # noqa: E402
 
-from mpedu.model import LSTMLM  # noqa: E402
-from mpedu.cores import measure_cores  # noqa: E402
-from mpedu.costcurve import CostCurve, profile_curve  # noqa: E402
-from mpedu.planner import plan, plan_buckets, predict  # noqa: E402
-from mpedu.ranking import kendall_tau, tau_apart  # noqa: E402
-from mpedu.simulate import predict_epoch  # noqa: E402
+from mpedu.lm import LSTMLM  # noqa: E402
+from mpedu.predict import (CostCurve, kendall_tau, measure_cores, plan, plan_buckets, predict,  # noqa: E402
+    predict_epoch, profile_curve, tau_apart)
 
 VOCAB, T, B = 10_000, 20, 16          # smaller than the how-to's batch: a step here takes ~0.2 s on 2 cores
 DEVICES = (2, 4)

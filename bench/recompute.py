@@ -8,7 +8,7 @@ activations (None), recompute every micro-batch ("all"), and every one but the l
 cap binds; the JSON has every device's), as the step's
 saved-tensor hooks count it (the timeline's memory), and the step's wall time, timed in
 turn round after round so a drifting machine slows every mode alike. Predicted: the
-same peak from mpedu.footprint on profiled per-layer bytes, and the step from the
+same peak from mpedu.predict.footprint on profiled per-layer bytes, and the step from the
 simulator (a recomputed B costs B + F), with the machine's usable cores.
 
 Times taken on a machine shared with other work are noisy: the JSON says how many
@@ -27,12 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, paired_rounds, random_batch  # noqa: E402
 
-from mpedu.devices import usable_cores  # noqa: E402
-from mpedu.footprint import device_footprints  # noqa: E402
-from mpedu.model import LSTMLM, LMConfig  # noqa: E402
-from mpedu.pipeline import Pipeline  # noqa: E402
-from mpedu.profile import profile  # noqa: E402
-from mpedu.simulate import simulate  # noqa: E402
+from mpedu.runtime import usable_cores  # noqa: E402
+from mpedu.predict import device_footprints, profile, simulate  # noqa: E402
+from mpedu.lm import LSTMLM, LMConfig  # noqa: E402
+from mpedu.core import Pipeline  # noqa: E402
 
 VOCAB, T, B, M = 2000, 32, 32, 4
 CONFIG = LMConfig(embed_size=256, hidden_size=256, num_layers=3, dropout=0.2)
@@ -108,7 +106,7 @@ def main(argv=None):
         results[schedule] = run_case(model, batch, schedule, placement, m, chunks, args.repeats, cores, costs)
     print(f"model: embed {CONFIG.embed_size}, {CONFIG.num_layers} LSTM layers of {CONFIG.hidden_size}, vocab {VOCAB}, "
           f"dropout {CONFIG.dropout}; batch T={T} B={B}; {cores} usable cores (timing on a shared machine is noisy)")
-    print("activation peak of the fuller device (MB, measured by the step's hooks, predicted by mpedu.footprint), "
+    print("activation peak of the fuller device (MB, measured by the step's hooks, predicted by mpedu.predict.footprint), "
           "memory saved; step time, time paid")
     print(f"{'schedule':<12}{'recompute':<14}{'peak MB':>9}{'pred MB':>9}{'saved':>8}{'pred':>7}"
           f"{'step ms':>9}{'pred ms':>9}{'paid':>7}{'pred':>7}")

@@ -16,9 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine  # noqa: E402
 
-from mpedu.profile import StageCost  # noqa: E402
-from mpedu.schedules import make, run_order  # noqa: E402
-from mpedu.simulate import simulate  # noqa: E402
+from mpedu.predict import StageCost, simulate  # noqa: E402
+from mpedu.core import make, run_order  # noqa: E402
 
 P, M = 8, 32
 CASES = [("gpipe", list(range(P))), ("1f1b", list(range(P))), ("zb1", list(range(P))),

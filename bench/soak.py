@@ -14,8 +14,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, random_batch  # noqa: E402
-from mpedu.model import LSTMLM  # noqa: E402
-from mpedu.pipeline import Pipeline  # noqa: E402
+from mpedu.lm import LSTMLM  # noqa: E402
+from mpedu.core import Pipeline  # noqa: E402
 
 VOCAB = 500
 PLACEMENT = "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"

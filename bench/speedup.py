@@ -19,9 +19,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, median_ratio, paired_rounds, random_batch  # noqa: E402
 
-from mpedu.model import LSTMLM, LMConfig, nll_sum  # noqa: E402
-from mpedu.pipeline import Pipeline  # noqa: E402
-from mpedu.placement import Placement  # noqa: E402
+from mpedu.lm import LSTMLM, LMConfig, nll_sum  # noqa: E402
+from mpedu.core import Pipeline, Placement  # noqa: E402
 
 VOCAB, T, B, M = 2000, 35, 64, 8
 CONFIG = LMConfig(embed_size=256, hidden_size=256, num_layers=3)   # 3 LSTM + decode split 2|2
@@ -42,7 +41,7 @@ class PlainLM(nn.Module):
 
 def balanced_split(model, batch) -> tuple[Placement, list[float]]:
     """Time each layer's forward + backward on one micro-batch (every layer its own stage)
-    and cut where the two halves are closest; mpedu.balance generalises this."""
+    and cut where the two halves are closest; mpedu.predict.partition generalises this."""
     names = model.layer_names
     micro = batch.split(M)[0]
     alternating = " | ".join(f"{n}:vgpu{k % 2}" for k, n in enumerate(names))

@@ -13,7 +13,7 @@ dropout off on both sides so the work is the same) is trained four ways:
           moved one layer either way); the fastest measured counts
 Each allocator setting runs in fresh processes: `default` (glibc as shipped) and `tuned`
 (MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=68719476736 in the environment). The plain runs
-never import mpedu, so mpedu's own malloc settings (mpedu/allocator.py) cannot help them;
+never import mpedu, so mpedu's own malloc settings (mpedu/runtime/allocator.py) cannot help them;
 mpedu's runs get them under both. The placements are balanced once, from one profile; a first
 round of every two-device run picks the fastest; then each round runs the plain process and the
 mpedu process one after the other (the order alternates, and so does the order of runs inside
@@ -131,7 +131,7 @@ def run_bound(steps: int) -> dict:
     """mpedu's one device with the batch cut into m micro-batches (GPipe on one device: the very work a
     two-device pipeline does at that grain, with no hand-off): per m its compute per step and the share of it
     that is forward (the timeline's boxes)."""
-    from mpedu.pipeline import Pipeline
+    from mpedu.core import Pipeline
     model, batch = mpedu_model()
     out = {}
     for m in BOUND_MICRO_BATCHES:
@@ -169,7 +169,7 @@ def best_two_stage_schedules(work_s: dict, forward_share: float, limit_s: float)
     import itertools
     import math
 
-    from mpedu.schedules import one_f_one_b, run_order, zb1
+    from mpedu.core import one_f_one_b, run_order, zb1
     grain = sorted((B // int(m), w / B) for m, w in work_s.items())      # (b, seconds per sequence)
 
     def per_sequence(b):
@@ -205,8 +205,8 @@ def best_two_stage_schedules(work_s: dict, forward_share: float, limit_s: float)
 
 def mpedu_model():
     import torch
-    from mpedu.bucketing import Batch
-    from mpedu.model import LSTMLM
+    from mpedu.lm import Batch
+    from mpedu.lm import LSTMLM
     torch.manual_seed(0)
     inputs, targets = batch_tensors()
     return LSTMLM.from_config("mxnet8", VOCAB, dropout=0.0), Batch(inputs, targets, targets != 0, T, False)
@@ -215,8 +215,8 @@ def mpedu_model():
 def run_candidates(steps: int) -> dict:
     """The two-device runs to try, {name: (placement, schedule, m, chunks)}, each time-balanced from a profile
     made once here, so that every round runs the very same placements."""
-    from mpedu.balance import balance, to_placement
-    from mpedu.profile import profile
+    from mpedu.predict import balance, to_placement
+    from mpedu.predict import profile
     model, batch = mpedu_model()
     per_layer, out = {}, {}
     for schedule, m, chunks, stages in PIPELINES:
@@ -237,8 +237,8 @@ def run_candidates(steps: int) -> dict:
 
 def run_mpedu(steps: int, order: str, runs: dict) -> dict:
     """mpedu on one virtual device, then each of `runs` (name: placement, schedule, m, chunks) on two."""
-    from mpedu import allocator
-    from mpedu.pipeline import Pipeline
+    from mpedu.runtime import allocator
+    from mpedu.core import Pipeline
     model, batch = mpedu_model()
     runs = {"mpedu1": (",".join(model.layer_names) + ":vgpu0", "gpipe", 1, 1), **runs}
     out = {"allocator": allocator.state()}
@@ -261,8 +261,8 @@ def run_alloc(steps: int) -> dict:
     """1, 2 and 4 workers allocating at once, each round a 20 MB tensor written and freed and 200 small
     ones (40 kB, an LSTM time step's gates): seconds per round, the workers' rounds overlapping."""
     import torch
-    from mpedu import allocator
-    from mpedu.devices import Worker, get_device, stop_workers
+    from mpedu.runtime import allocator
+    from mpedu.runtime import Worker, get_device, stop_workers
 
     def rounds(n):
         for _ in range(n):

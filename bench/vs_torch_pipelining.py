@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import finish, machine, median_time, random_batch  # noqa: E402
 
-from mpedu.model import LMConfig, LSTMLM  # noqa: E402
+from mpedu.lm import LMConfig, LSTMLM  # noqa: E402
 
 VOCAB, T, B, M = 2000, 35, 64, 8
 CONFIG = LMConfig(embed_size=256, hidden_size=256, num_layers=3)
@@ -72,7 +72,7 @@ def worker(args) -> None:
 
 
 def in_process(schedule: str, placement: str, repeats: int) -> dict:
-    from mpedu.pipeline import Pipeline
+    from mpedu.core import Pipeline
     torch.set_num_threads(1)
     net, batch = model(), random_batch(VOCAB, T, B)
     with Pipeline(net, placement, schedule, M) as pipe:

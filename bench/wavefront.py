@@ -19,10 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, median_time, random_batch  # noqa: E402
 
-from mpedu.model import LSTMLM, LMConfig  # noqa: E402
-from mpedu.pipeline import Pipeline  # noqa: E402
-from mpedu.profile import profile  # noqa: E402
-from mpedu.simulate import simulate  # noqa: E402
+from mpedu.lm import LSTMLM, LMConfig  # noqa: E402
+from mpedu.core import Pipeline  # noqa: E402
+from mpedu.predict import profile, simulate  # noqa: E402
 
 VOCAB, T, B = 2000, 64, 32
 CONFIG = LMConfig(embed_size=256, hidden_size=256, num_layers=3)

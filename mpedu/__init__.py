@@ -1,24 +1,17 @@
-"""mpedu: learn model-parallel training of a stacked LSTM language model, step by step."""
-from .allocator import keep_freed_memory
+"""mpedu: learn model-parallel training of a stacked LSTM language model, step by step.
+
+Layers, each importing only the ones above it in this list (tests/test_layers.py holds them to it):
+runtime, pictures, lm, core, predict, training, course, cli, distributed. Each subpackage's
+__init__ is its public face; this module gathers the names a notebook needs most."""
+from .runtime import keep_freed_memory
 
 keep_freed_memory()     # glibc keeps freed memory for the next step; early, before any worker thread exists
-from .balance import balance, balance_by_params, balance_by_time
-from .bucketing import Batch, BucketIterator, StreamIterator
-from .checkpoint import load_model
-from .data import Corpus, Vocabulary, load_corpus
-from .devices import Device, describe_devices, get_device, get_devices, list_devices
-from .link import Link
-from .memory import memory_report
-from .model import LSTMLM
-from .pipeline import Pipeline
-from .placement import Placement
-from .planner import plan
-from .profile import Costs, profile
-from .schedules import Action, Schedule
-from .simulate import simulate
-from .single import SingleDevice
-from .timeline import Event, Timeline, plot_timelines
-from .training import train
+from .core import Action, Event, Pipeline, Placement, Schedule, SingleDevice, Timeline, plot_timelines  # noqa: E402
+from .lm import LSTMLM, Batch, BucketIterator, Corpus, StreamIterator, Vocabulary, load_corpus  # noqa: E402
+from .predict import (Costs, balance, balance_by_params, balance_by_time, memory_report, plan,  # noqa: E402
+                      profile, simulate)
+from .runtime import Device, Link, describe_devices, get_device, get_devices, list_devices  # noqa: E402
+from .training import load_model, train  # noqa: E402
 
 __all__ = [
     "Action", "Batch", "BucketIterator", "Corpus", "Costs", "Device", "Event", "LSTMLM", "Link", "Pipeline",
@@ -33,6 +26,6 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # The explorer widget needs the notebooks extra (ipywidgets, anywidget): import it only when asked for.
     if name == "PipelineExplorer":
-        from .widgets import PipelineExplorer
+        from .course import PipelineExplorer
         return PipelineExplorer
     raise AttributeError(f"module 'mpedu' has no attribute {name!r}")

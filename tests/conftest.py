@@ -11,7 +11,7 @@ FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 
 def make_batch(T=9, B=8, vocab=VOCAB, seed=0, carry_state=False):
     """A (T, B) batch whose columns have different lengths, so padding is exercised."""
-    from mpedu.bucketing import Batch
+    from mpedu.lm import Batch
     g = torch.Generator().manual_seed(seed)
     targets = torch.randint(3, vocab, (T, B), generator=g)
     lengths = torch.randint(T // 2, T + 1, (B,), generator=g)
@@ -24,7 +24,7 @@ def make_batch(T=9, B=8, vocab=VOCAB, seed=0, carry_state=False):
 
 
 def tiny_model(num_layers=3, seed=0, **overrides):
-    from mpedu.model import LSTMLM
+    from mpedu.lm import LSTMLM
     torch.manual_seed(seed)
     return LSTMLM.from_config("tiny", VOCAB, num_layers=num_layers, **overrides)
 
@@ -36,7 +36,7 @@ WEIGHT = {"embed": 0.2, "lstm0": 1.0, "lstm1": 1.3, "lstm2": 0.9, "decode": 2.0}
 def fake_costs(names, T, b, per_call=0.0):
     """Costs of a (T, b) micro-batch shaped like a profile: time a + c b per step (plus `per_call`
     seconds each time a layer runs), bytes per position."""
-    from mpedu.profile import Costs
+    from mpedu.predict import Costs
     per = [T * (0.05 + WEIGHT[n] * b) * 1e-3 + per_call for n in names]
     act = [T * b * 400 * (k + 1) for k in range(len(names))]
     return Costs(list(names), forward=per, backward=[2 * x for x in per], backward_input=[x for x in per],
@@ -49,27 +49,27 @@ def fake_costs(names, T, b, per_call=0.0):
 @pytest.fixture(scope="module")
 def corpus():
     """The embedded corpus."""
-    from mpedu.data import load_corpus
+    from mpedu.lm import load_corpus
     return load_corpus()
 
 
 def first_batch(sentences, batch_size=6):
     """The first batch of `sentences`, unshuffled."""
-    from mpedu.bucketing import BucketIterator
+    from mpedu.lm import BucketIterator
     return next(iter(BucketIterator(sentences, batch_size, shuffle=False)))
 
 
 @pytest.fixture(scope="module")
 def little():
     """A slice of the embedded corpus: 16 batches of (at most) 16 an epoch, so a run takes about a second."""
-    from mpedu.data import Corpus, load_corpus
+    from mpedu.lm import Corpus, load_corpus
     corpus = load_corpus()
     return Corpus(corpus.vocab, corpus.train[:200], corpus.valid[:40], corpus.test[:40], name="little")
 
 
 def lm(corpus, seed=0, **overrides):
     """The tiny config for `corpus`'s vocabulary, initialised from `seed`."""
-    from mpedu.model import LSTMLM
+    from mpedu.lm import LSTMLM
     torch.manual_seed(seed)
     return LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab), **overrides)
 
@@ -83,7 +83,7 @@ def quiet(lines=None, **kw):
 def reference(model, batch):
     """The single-device model's loss (mean NLL per real token) and gradients {name: grad}; leaves
     the model's .grad zeroed. What every pipeline, stage and device placement must reproduce."""
-    from mpedu.model import nll_sum
+    from mpedu.lm import nll_sum
     model.zero_grad()
     logits, _ = model(batch.inputs)
     loss = nll_sum(logits, batch.targets) / batch.tokens

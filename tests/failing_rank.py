@@ -7,8 +7,7 @@ switch kept out of mpedu: the failure is put in here, by replacing StageModule.f
 import os
 import sys
 
-from mpedu.distributed import StageModule
-from mpedu.distributed.cli import main
+from mpedu.distributed import StageModule, main
 
 
 def _fail(self, x):

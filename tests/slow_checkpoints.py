@@ -4,15 +4,15 @@
 
 Each write sleeps SECONDS between writing the temp file and renaming it, a window wide enough to land a
 kill in, to prove a half-written file is never read. A test switch kept out of mpedu: the delay is put
-in here, by wrapping mpedu.checkpoint's atomic_write."""
+in here, by wrapping mpedu.training.checkpoint's atomic_write."""
 import sys
 import time
 
-import mpedu.checkpoint as checkpoint
+import mpedu.training.checkpoint as checkpoint
 
 
 def slow_down(seconds: float) -> None:
-    """Make every atomic_save of mpedu.checkpoint wait `seconds` after its data is written, before the rename."""
+    """Make every atomic_save of mpedu.training.checkpoint wait `seconds` after its data is written, before the rename."""
     write_file = checkpoint.atomic_write
 
     def slowly(path, write, **kwargs):
@@ -26,5 +26,5 @@ def slow_down(seconds: float) -> None:
 
 if __name__ == "__main__":
     slow_down(float(sys.argv.pop(1)))
-    from mpedu.__main__ import main
+    from mpedu.cli import main
     sys.exit(main())

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from mpedu import allocator
+from mpedu.runtime import allocator
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -26,7 +26,7 @@ def run(code: str, **env) -> str:
 FAULTS_IN_A_WORKER = """
     import resource, threading
     import mpedu, torch
-    from mpedu.devices import Worker, get_device
+    from mpedu.runtime import Worker, get_device
     def window():
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         for _ in range(5):
@@ -65,9 +65,8 @@ def test_a_worker_reuses_freed_memory_instead_of_faulting_it_in_again(mb):
 FAULTS_OF_A_ONE_DEVICE_STEP = """
     import resource
     import torch
-    from mpedu.bucketing import Batch
-    from mpedu.model import LSTMLM
-    from mpedu.pipeline import Pipeline
+    from mpedu.lm import Batch, LSTMLM
+    from mpedu.core import Pipeline
     torch.manual_seed(0)
     targets = torch.randint(3, 8000, (35, 64))
     batch = Batch(torch.cat([torch.full((1, 64), 2), targets[:-1]]), targets, targets != 0, 35, False)
@@ -90,9 +89,9 @@ def test_one_device_keeps_its_large_blocks_too():
 
 
 def test_system_leaves_malloc_alone_and_a_typo_is_named_without_breaking_the_import():
-    assert run("import mpedu.allocator as a; print(a.state())", MPEDU_ALLOCATOR="system") == \
+    assert run("import mpedu.runtime.allocator as a; print(a.state())", MPEDU_ALLOCATOR="system") == \
         "system malloc (MPEDU_ALLOCATOR=system)"
-    done = subprocess.run([sys.executable, "-c", "import mpedu; print(mpedu.allocator.state())"],
+    done = subprocess.run([sys.executable, "-c", "import mpedu; print(mpedu.runtime.allocator.state())"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "MPEDU_ALLOCATOR": "jemalloc"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "system malloc (MPEDU_ALLOCATOR='jemalloc' is not a choice)"
@@ -108,9 +107,9 @@ WORKERS_AFTER_AN_ALLOCATING_THREAD = """
     threading.Thread(target=lambda: (libc.malloc(100), ready.set(), time.sleep(60)), daemon=True).start()
     ready.wait()
     import mpedu
-    from mpedu.devices import Worker, get_device
+    from mpedu.runtime import Worker, get_device
     workers = [Worker(get_device(f"vgpu:{k}")) for k in range(2)]
-    print(mpedu.allocator.in_main_arena(), mpedu.allocator.state())
+    print(mpedu.runtime.allocator.in_main_arena(), mpedu.runtime.allocator.state())
 """
 ONE_ARENA = "glibc: freed memory kept (one arena, no mmap, no trim, 64 MiB pad)"
 

@@ -9,15 +9,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_batch, tiny_model
-from mpedu.bucketing import BucketIterator
-from mpedu.memory import memory_report
-from mpedu.model import LSTMLM
-from mpedu.pipeline import Pipeline
-from mpedu.placement import Placement
-from mpedu.planner import plan
-from mpedu.profile import Costs, StageCost, profile
-from mpedu.simulate import simulate
-from mpedu.stage import Stage
+from mpedu.lm import BucketIterator, LSTMLM
+from mpedu.predict import Costs, StageCost, memory_report, plan, profile, simulate
+from mpedu.core import Pipeline, Placement, Stage
 from mpedu.training import train
 
 TWO = "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1"
@@ -36,7 +30,7 @@ def test_train_refuses_a_runner_built_on_another_model_or_no_runner_at_all(corpu
 
 def test_a_schedule_built_for_other_micro_batches_or_chunks_is_refused_not_overridden():
     """Pipeline(model, TWO, gpipe-for-2, micro_batches=4) ran 2 micro-batches without a word."""
-    from mpedu import schedules
+    from mpedu.core import schedules
     model = tiny_model()
     for schedule, options, what in ((schedules.gpipe([0, 1], 2), {"micro_batches": 4}, "micro_batches=4"),
                                     (schedules.wavefront([0, 1], 2, 3), {"chunks": 1}, "chunks=1")):
@@ -171,7 +165,7 @@ def test_a_batch_field_that_is_not_a_tensor_is_named():
 
 
 def test_corpus_and_bucket_arguments_of_the_wrong_kind():
-    from mpedu.data import load_corpus
+    from mpedu.lm import load_corpus
     with pytest.raises(TypeError, match="path=5: give a folder"):
         load_corpus(5)
     with pytest.raises(ValueError, match="seed='a'"):
@@ -184,7 +178,7 @@ def test_corpus_and_bucket_arguments_of_the_wrong_kind():
 
 
 def test_no_batch_at_all_a_missing_folder_and_a_foreign_dict_are_named(tmp_path):
-    from mpedu.timeline import Timeline
+    from mpedu.core import Timeline
     sentences = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
     with pytest.raises(ValueError, match="drop_last=True leaves no batch: no bucket holds 4 sentences"):
         BucketIterator(sentences, 4, drop_last=True)

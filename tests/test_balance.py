@@ -5,8 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import tiny_model
-from mpedu.balance import balance, balance_by_params, balance_by_time, to_placement
-from mpedu.profile import Costs
+from mpedu.predict import Costs, balance, balance_by_params, balance_by_time, to_placement
 
 
 def splits(n, p):

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from conftest import make_batch, tiny_model
-from mpedu.baselines import Baselines, measure_baselines
-from mpedu.devices import usable_cores
-from mpedu.pipeline import Pipeline
+from mpedu.course import Baselines, measure_baselines
+from mpedu.runtime import usable_cores
+from mpedu.core import Pipeline
 
 
 def test_three_runners_are_timed_on_copies_and_the_model_is_untouched():

@@ -9,11 +9,9 @@ pytest.importorskip("anywidget")
 
 from conftest import make_batch, tiny_model  # noqa: E402
 from test_widgets import B, M, T, fixed_costs, moved  # noqa: E402
-from mpedu.bestplans import describe, same_plan  # noqa: E402
-from mpedu.costcurve import CostCurve  # noqa: E402
-from mpedu.link import LINKS  # noqa: E402
-from mpedu.planner import plan, search_shapes  # noqa: E402
-from mpedu.widgets import PipelineExplorer  # noqa: E402
+from mpedu.course import PipelineExplorer, describe, same_plan  # noqa: E402
+from mpedu.predict import CostCurve, plan, search_shapes  # noqa: E402
+from mpedu.runtime import LINKS  # noqa: E402
 
 
 def make(memory_cap=None, costs=None):

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("anywidget")
 
-from mpedu.board import BOARD_CSS, BOARD_ESM, LayerBoard  # noqa: E402
+from mpedu.course import BOARD_CSS, BOARD_ESM, LayerBoard  # noqa: E402
 
 
 def test_the_page_reads_every_synced_trait_and_no_other():

@@ -1,10 +1,8 @@
 """The planner's lower bounds, on textbook schedules: what each device holds, its memory floor, the time bound."""
 import pytest
 
-from mpedu.bounds import held_units, memory_floor, time_bound
-from mpedu.profile import StageCost
-from mpedu.schedules import make
-from mpedu.simulate import simulate
+from mpedu.predict import StageCost, held_units, memory_floor, simulate, time_bound
+from mpedu.core import make
 
 P, M = 2, 4
 UNIT = [StageCost(1.0, activation_bytes=100, param_bytes=10, input_bytes=30)] * P   # F = 1, B + W = 2

@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import pytest
 
-from mpedu.placement import Placement
-from mpedu.wording import SCHEDULES, SLOWDOWNS, link_label
-from mpedu.link import LINKS
+from mpedu.core import Placement
+from mpedu.course import SCHEDULES, SLOWDOWNS, link_label
+from mpedu.runtime import LINKS
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "04_partitioning.ipynb"
@@ -89,7 +89,7 @@ def _board(explorer) -> dict:
 
 # A kernel startup file: the explorers a test's notebook builds write what Python sees to {state}.
 EXPLORER_STATE = """
-import mpedu.widgets as _widgets
+import mpedu.course.explorer as _widgets
 _build = _widgets.PipelineExplorer.__init__
 
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import FUZZ
-from mpedu.bucketing import Batch, BucketIterator, StreamIterator, default_buckets, padding_fraction
+from mpedu.lm import Batch, BucketIterator, StreamIterator, default_buckets, padding_fraction
 
 
 EOS_ID = 2

@@ -4,10 +4,10 @@ import re
 
 import pytest
 
-import mpedu.__main__ as cli
+import mpedu.cli.commands as cli
 from conftest import make_batch, tiny_model
-from mpedu.capacity import MemoryCapError
-from mpedu.pipeline import Pipeline
+from mpedu.predict import cap_memory, memory_estimate, MemoryCapError
+from mpedu.core import Pipeline
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
@@ -22,7 +22,7 @@ def test_the_memory_estimate_matches_the_measured_activation_peak():
     batch = make_batch(B=16)
     for schedule in ("gpipe", "1f1b", "zb1"):
         with Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", schedule, micro_batches=8) as pipe:
-            needs = pipe.memory_estimate(batch)
+            needs = memory_estimate(pipe, batch)
             timeline = pipe.train_step(batch).timeline
         for need in needs:
             assert need.activations == pytest.approx(timeline.peak_memory(need.device), rel=0.02), (schedule, need)
@@ -35,8 +35,7 @@ def test_a_placement_over_its_cap_fails_before_the_step_naming_one_that_fits(mon
     batch = make_batch(B=16)
     model = tiny_model()
     ran = []
-    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "1f1b", micro_batches=8,
-                  memory_cap={"vgpu1": "600kB"}) as pipe:
+    with cap_memory(Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "1f1b", micro_batches=8), {"vgpu1": "600kB"}) as pipe:
         original = pipe.stages[0].forward
         pipe.stages[0].forward = lambda *a, **k: ran.append(1) or original(*a, **k)
         with pytest.raises(MemoryCapError) as err:
@@ -47,19 +46,18 @@ def test_a_placement_over_its_cap_fails_before_the_step_naming_one_that_fits(mon
                                   "micro-batches): parameters 282 kB + gradients 282 kB + activations 203 kB (1 "
                                   "micro-batch held at once); more than its memory_cap 600 kB")
         fits = message.split("A placement that fits: '")[1].split("'")[0]
-    with Pipeline(tiny_model(), fits, "1f1b", micro_batches=8, memory_cap={"vgpu:1": "600kB"}) as pipe:
-        assert all(n.fits for n in pipe.memory_estimate(batch))
+    with cap_memory(Pipeline(tiny_model(), fits, "1f1b", micro_batches=8), {"vgpu:1": "600kB"}) as pipe:
+        assert all(n.fits for n in memory_estimate(pipe, batch))
         assert math.isfinite(pipe.train_step(batch).loss)
 
 
 def test_no_placement_fits_says_how_many_devices_would():
-    with Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "gpipe", micro_batches=8,
-                  memory_cap="1.2MB") as pipe:
+    with cap_memory(Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "gpipe", micro_batches=8), "1.2MB") as pipe:
         with pytest.raises(MemoryCapError, match="No placement over these 2 devices fits; over 3 devices with 1.2 MB "
                                                  "each, one does: 'embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2,decode:vgpu2'"
                                                  r".*1f1b keeps at most 2 per device"):
             pipe.train_step(make_batch(B=16))
-    with Pipeline(tiny_model(), 2, "gpipe", micro_batches=8, memory_cap="50kB") as pipe:
+    with cap_memory(Pipeline(tiny_model(), 2, "gpipe", micro_batches=8), "50kB") as pipe:
         with pytest.raises(MemoryCapError, match="No placement fits, even one layer per device: lstm.* alone needs"):
             pipe.train_step(make_batch(B=16))
 
@@ -68,13 +66,13 @@ def test_an_interleaved_step_over_its_cap_names_a_placement_that_runs():
     """Interleaved needs two or more stages per device, so the one-stage-per-device placement the message names
     is for 1f1b, and says so (it named a 3-device placement interleaved cannot run)."""
     batch = make_batch(T=12, B=8)
-    with Pipeline(tiny_model(), "embed:vgpu0 | lstm0-1:vgpu1 | lstm2:vgpu0 | decode:vgpu1", "interleaved",
-                  micro_batches=4, memory_cap="1.14MB") as pipe:
+    with cap_memory(Pipeline(tiny_model(), "embed:vgpu0 | lstm0-1:vgpu1 | lstm2:vgpu0 | decode:vgpu1", "interleaved",
+                  micro_batches=4), "1.14MB") as pipe:
         with pytest.raises(MemoryCapError, match="under 1f1b") as err:
             pipe.train_step(batch)
     fits = str(err.value).split("one stage each): '")[1].split("'")[0]
-    with Pipeline(tiny_model(), fits, "1f1b", micro_batches=4, memory_cap="1.14MB") as pipe:
-        assert all(n.fits for n in pipe.memory_estimate(batch))
+    with cap_memory(Pipeline(tiny_model(), fits, "1f1b", micro_batches=4), "1.14MB") as pipe:
+        assert all(n.fits for n in memory_estimate(pipe, batch))
         assert math.isfinite(pipe.train_step(batch).loss)
 
 
@@ -86,20 +84,18 @@ def test_a_refusal_with_chunks_of_two_lengths_names_a_placement_that_fits(m, chu
     named = 0
     for recompute in (None, "all", "all-but-last"):
         with Pipeline(tiny_model(), layout, "wavefront", micro_batches=m, chunks=chunks, recompute=recompute) as pipe:
-            need = max(f.total for f in pipe.memory_estimate(batch))
+            need = max(f.total for f in memory_estimate(pipe, batch))
         for share in (0.97, 0.9, 0.8, 0.7):
             cap = int(need * share)
-            with Pipeline(tiny_model(), layout, "wavefront", micro_batches=m, chunks=chunks, recompute=recompute,
-                          memory_cap=cap) as pipe:
+            with cap_memory(Pipeline(tiny_model(), layout, "wavefront", micro_batches=m, chunks=chunks, recompute=recompute), cap) as pipe:
                 with pytest.raises(MemoryCapError) as err:
                     pipe.train_step(batch)
             named_here = re.search(r"(A placement that fits|one does)[^:']*: '([^']+)'", str(err.value))
             if not named_here:
                 continue
             fits = named_here.group(2)
-            with Pipeline(tiny_model(), fits, "wavefront", micro_batches=m, chunks=chunks, recompute=recompute,
-                          memory_cap=cap) as pipe:
-                assert all(n.fits for n in pipe.memory_estimate(batch)), (recompute, share, fits)
+            with cap_memory(Pipeline(tiny_model(), fits, "wavefront", micro_batches=m, chunks=chunks, recompute=recompute), cap) as pipe:
+                assert all(n.fits for n in memory_estimate(pipe, batch)), (recompute, share, fits)
             named += 1
     assert named >= 3
 
@@ -124,14 +120,14 @@ def test_a_layer_thawed_after_the_first_step_is_checked_against_the_cap_again():
     for name in ("embed", "lstm0", "lstm1"):
         model.layers[name].requires_grad_(False)
     with Pipeline(model, layout, "gpipe", micro_batches=4) as pipe:
-        cap = max(f.total for f in pipe.memory_estimate(batch))
-    with Pipeline(model, layout, "gpipe", micro_batches=4, memory_cap=cap) as pipe:
+        cap = max(f.total for f in memory_estimate(pipe, batch))
+    with cap_memory(Pipeline(model, layout, "gpipe", micro_batches=4), cap) as pipe:
         assert math.isfinite(pipe.train_step(batch).loss)
         for name in ("embed", "lstm0", "lstm1"):
             model.layers[name].requires_grad_(True)
-        thawed = pipe.memory_estimate(batch)
+        thawed = memory_estimate(pipe, batch)
         with Pipeline(model, layout, "gpipe", micro_batches=4) as fresh:
-            assert [f.total for f in thawed] == [f.total for f in fresh.memory_estimate(batch)]
+            assert [f.total for f in thawed] == [f.total for f in memory_estimate(fresh, batch)]
         assert max(f.total for f in thawed) > cap
         with pytest.raises(MemoryCapError, match="vgpu:0 needs"):
             pipe.train_step(batch)
@@ -142,7 +138,7 @@ def test_the_estimate_is_of_a_training_step_whatever_mode_the_model_is_in():
     model, batch = tiny_model(dropout=0.3), make_batch(T=10, B=8)
     with Pipeline(model, "embed,lstm0-1:vgpu0 | lstm2,decode:vgpu1", "gpipe", micro_batches=4) as pipe:
         pipe.eval_step(batch)
-        after_eval = pipe.memory_estimate(batch)
+        after_eval = memory_estimate(pipe, batch)
         timeline = pipe.train_step(batch).timeline
     for need in after_eval:          # the activations a training step really held (saved-tensor hooks)
         assert need.activations == pytest.approx(timeline.peak_memory(need.device), rel=0.02), need
@@ -162,7 +158,7 @@ def test_a_refusal_over_frozen_layers_names_a_placement_that_fits():
     for c0 in (20_000, 50_000, 100_000):            # vgpu:0 holds embed alone at most
         for c1 in range(1_300_000, 2_000_000, 100_000):
             cap = {"vgpu:0": c0, "vgpu:1": c1}
-            with Pipeline(frozen(), start, "gpipe", micro_batches=2, memory_cap=cap) as pipe:
+            with cap_memory(Pipeline(frozen(), start, "gpipe", micro_batches=2), cap) as pipe:
                 try:
                     pipe.train_step(batch)
                     continue
@@ -170,6 +166,6 @@ def test_a_refusal_over_frozen_layers_names_a_placement_that_fits():
                     found = re.search(r"A placement that fits: '([^']+)'", str(e))
             if found:
                 named += 1
-                with Pipeline(frozen(), found.group(1), "gpipe", micro_batches=2, memory_cap=cap) as pipe:
-                    assert all(n.fits for n in pipe.memory_estimate(batch)), (cap, found.group(1))
+                with cap_memory(Pipeline(frozen(), found.group(1), "gpipe", micro_batches=2), cap) as pipe:
+                    assert all(n.fits for n in memory_estimate(pipe, batch)), (cap, found.group(1))
     assert named >= 3

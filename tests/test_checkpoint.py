@@ -18,14 +18,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import mpedu.__main__ as cli
+import mpedu.cli.commands as cli
 from conftest import FUZZ, lm, quiet
-from mpedu.checkpoint import (CheckpointError, atomic_save, checksums, load_checkpoint, load_model,
-                              save_checkpoint)
-from mpedu.data import Corpus, Vocabulary, load_corpus
-from mpedu.history import History
-from mpedu.model import LSTMLM
-from mpedu.training import train
+from mpedu.training import (CheckpointError, History, atomic_save, checksums, load_checkpoint,
+    load_model, save_checkpoint, train)
+from mpedu.lm import Corpus, LSTMLM, Vocabulary, load_corpus
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,7 +215,7 @@ def test_a_clip_given_on_resume_is_named(little120, tmp_path):
 
 def test_another_micro_batch_count_on_resume_is_named(little120, tmp_path):
     """Bit for bit needs the same micro-batches and chunks; another count resumes (to float rounding) and says so."""
-    from mpedu.pipeline import Pipeline
+    from mpedu.core import Pipeline
     model = lm(little120)
     with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "gpipe", micro_batches=2) as pipe:
         train(model, little120, runner=pipe, epochs=1, out=tmp_path, **short_run())
@@ -252,7 +249,7 @@ def test_an_extended_run_stopped_before_its_test_ends_with_its_own_test_and_mode
                                                                                      monkeypatch):
     """Extended from 1 to 2 epochs and stopped during the final test (after the last checkpoint): the resume
     said "nothing to train" with the 1-epoch run's test perplexity and left the 1-epoch model.pt."""
-    import mpedu.training as training
+    import mpedu.training.loop as training
     first = train(lm(little120), little120, epochs=1, out=tmp_path, **short_run())
     one_epoch = (tmp_path / "model.pt").read_bytes()
     real = training.evaluate
@@ -376,9 +373,9 @@ def test_a_leftover_temp_file_is_removed_and_never_read(little, tmp_path):
 
 
 def test_the_kill_tests_slow_write_only_delays_the_rename(tmp_path, monkeypatch):
-    import mpedu.checkpoint
+    import mpedu.training.checkpoint
     from slow_checkpoints import slow_down
-    monkeypatch.setattr(mpedu.checkpoint, "atomic_write", mpedu.checkpoint.atomic_write)   # put back afterwards
+    monkeypatch.setattr(mpedu.training.checkpoint, "atomic_write", mpedu.training.checkpoint.atomic_write)   # put back afterwards
     slow_down(0.05)
     start = time.monotonic()
     atomic_save({"x": torch.ones(2)}, tmp_path / "f.pt")
@@ -486,7 +483,7 @@ def test_the_checkpoint_names_live_in_checkpoint_and_the_old_training_module_is_
     # (wave 1 checked that mpedu.train re-exported these "for older code"; the re-exports and the module are gone)
     import importlib.util
     import mpedu
-    checkpoint = importlib.import_module("mpedu.checkpoint")
+    checkpoint = importlib.import_module("mpedu.training.checkpoint")
     for name in ("CheckpointError", "save_checkpoint", "load_checkpoint", "save_model", "load_model",
                  "CHECKPOINT_FORMAT", "MODEL_FORMAT"):
         assert hasattr(checkpoint, name), name

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mpedu.claims import NEEDS_CORES, Verdict, compare, in_turn, within
+from mpedu.course import NEEDS_CORES, Verdict, compare, in_turn, within
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 CORES_LINE = re.compile(r"free cores measured: (\d+(?:\.\d+)?)")
@@ -94,9 +94,9 @@ def test_in_turn_can_take_the_time_from_the_result():
 
 
 def test_free_cores_prints_the_line_the_notebook_tests_read(monkeypatch, capsys):
-    import mpedu.cores
-    from mpedu.claims import free_cores
-    monkeypatch.setattr(mpedu.cores, "measure_cores", lambda n=2, **kw: 1.756)
+    import mpedu.predict.cores
+    from mpedu.course import free_cores
+    monkeypatch.setattr(mpedu.predict.cores, "measure_cores", lambda n=2, **kw: 1.756)
     assert free_cores() == 1.76                      # the value judged is the value printed
     line = capsys.readouterr().out.strip()
     assert line == "free cores measured: 1.76"        # two decimals: 1.756 must not read as 1.8

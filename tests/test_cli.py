@@ -12,10 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-import mpedu.__main__ as cli
-from mpedu.__main__ import main
-from mpedu.checkpoint import load_model
-from mpedu.history import History
+import mpedu.cli.commands as cli
+from mpedu.cli import main
+from mpedu.training import History, load_model
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,7 +267,7 @@ def test_timeline_files_replace_a_planted_symlink_and_never_write_through_it(cap
 
 def test_a_second_run_on_the_same_out_is_refused_naming_the_first(capsys, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mpedu.files import OutLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mpedu.runtime import OutLock\n"
                                f"with OutLock({str(tmp_path)!r}):\n print('held', flush=True); time.sleep(60)",
                                "--pretend", "first-run"], env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -391,7 +390,7 @@ def test_ctrl_c_after_training_says_the_files_are_written(capsys, monkeypatch, t
 def test_ctrl_c_before_training_is_one_line_not_a_traceback(capsys, monkeypatch, tmp_path):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr("mpedu.data.load_corpus", interrupted)
+    monkeypatch.setattr("mpedu.lm.data.load_corpus", interrupted)
     code, err = refused(capsys, "train", *QUICK, "--out", str(tmp_path))
     assert code == 130 and err.strip() == "mpedu: error: interrupted before training started"
 
@@ -413,8 +412,8 @@ def test_the_tiny_run_keeps_the_trainers_defaults_and_the_default_run_is_the_lap
                                                                                             tmp_path):
     import inspect
     import importlib
-    from mpedu.recipes import RECIPES
-    training = importlib.import_module("mpedu.training")   # the module (`mpedu.train` is the function)
+    from mpedu.training import RECIPES
+    training = importlib.import_module("mpedu.training.loop")   # the module (`mpedu.train` is the function)
     kwargs, out = _train_kwargs(monkeypatch, capsys, "--config", "tiny", "--out", str(tmp_path))
     defaults = inspect.signature(training.train).parameters
     assert (kwargs["lr"], kwargs["epochs"], kwargs["batch_size"], kwargs["clip"]) == (
@@ -430,7 +429,7 @@ def test_the_tiny_run_keeps_the_trainers_defaults_and_the_default_run_is_the_lap
 
 
 def test_small_follows_zaremba_in_mpedus_units_and_given_options_win(monkeypatch, capsys, tmp_path):
-    from mpedu.recipes import RECIPES
+    from mpedu.training import RECIPES
     kwargs, out = _train_kwargs(monkeypatch, capsys, "--config", "small", "--out", str(tmp_path))
     small = RECIPES["small"]
     # Zaremba: lr 1 and clip 5 for a loss summed over T = 20 steps; batch 20, 13 epochs, / 2 after epoch 4

@@ -4,8 +4,7 @@ import time
 import pytest
 import torch
 
-from mpedu.clock import Clock
-from mpedu.devices import get_device
+from mpedu.runtime import Clock, get_device
 
 
 @pytest.mark.parametrize("device", [get_device("vgpu:0"), torch.device("cpu"), "cpu"])

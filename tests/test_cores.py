@@ -2,7 +2,7 @@
 import pytest
 
 from conftest import make_batch, tiny_model
-from mpedu.cores import measure_cores
+from mpedu.predict import measure_cores
 
 
 def test_measure_cores_reports_how_many_workers_run_at_once():
@@ -19,7 +19,7 @@ def test_measure_cores_can_run_the_models_own_work():
 
 
 def test_each_worker_runs_its_own_share_of_the_layers_and_more_workers_than_layers_get_copies():
-    from mpedu.cores import _model_shares
+    from mpedu.predict.cores import _model_shares
     model, batch = tiny_model(num_layers=1), make_batch()          # embed, lstm0, decode
     calls = []
     for name in model.layer_names:

@@ -2,8 +2,8 @@
 import pytest
 
 from conftest import fake_costs, make_batch, tiny_model
-from mpedu.costcurve import CostCurve, profile_curve
-from mpedu.streams import chunk_bounds
+from mpedu.predict import CostCurve, profile_curve
+from mpedu.runtime import chunk_bounds
 
 
 def test_costcurve_reproduces_its_profiles_and_interpolates_between():
@@ -62,8 +62,8 @@ def test_bytes_at_a_weighed_shape_are_what_a_step_holds(T, m, chunks):
     """An LSTM's saved bytes grow in blocks with T (oneDNN's workspace), so a curve through other lengths
     misses by up to ~40%; weighed at the shape, the footprint is the step's, time chunks of two lengths
     included."""
-    from mpedu.footprint import device_footprints
-    from mpedu.pipeline import Pipeline
+    from mpedu.predict import device_footprints
+    from mpedu.core import Pipeline
     model = tiny_model()
     curve = profile_curve(model, make_batch(T=20, B=8), widths=[1, 2, 8], lengths=[10], warmup=0, repeats=1)
     curve.weigh(model, [(hi - lo, 8 // m) for lo, hi in chunk_bounds(T, chunks)])
@@ -78,7 +78,7 @@ def test_bytes_at_a_weighed_shape_are_what_a_step_holds(T, m, chunks):
 
 
 def test_plan_buckets_weighs_each_buckets_shapes():
-    from mpedu.planner import plan_buckets
+    from mpedu.predict import plan_buckets
     model = tiny_model()
     curve = profile_curve(model, make_batch(T=20, B=8), widths=[2, 8], lengths=[10], warmup=0, repeats=1)
     plan_buckets(model, [(6, 8), (13, 8)], 2, curve, micro_batches=(1, 4), schedules=("gpipe", "wavefront"),

@@ -1,11 +1,9 @@
 """The GPU cost model: LSTM layers are bound by their sequential steps, the decoder by arithmetic."""
 import pytest
 
-from mpedu.costmodel import GPUSpec, gpu_costs, layer_times
-from mpedu.model import LSTMLM
-from mpedu.placement import Placement
-from mpedu.profile import Costs
-from mpedu.simulate import simulate
+from mpedu.predict import Costs, GPUSpec, gpu_costs, layer_times, simulate
+from mpedu.lm import LSTMLM
+from mpedu.core import Placement
 
 
 def test_an_lstm_layer_pays_per_time_step_not_per_sequence():

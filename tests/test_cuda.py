@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from conftest import make_batch, reference, tiny_model
-from mpedu.dropout import Position, keep_mask
-from mpedu.model import nll_sum
-from mpedu.pipeline import Pipeline
-from mpedu.single import SingleDevice
+from mpedu.lm import Position, keep_mask, nll_sum
+from mpedu.core import Pipeline, SingleDevice
 
 pytestmark = pytest.mark.cuda      # GPU placements run here where CUDA exists (see conftest)
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

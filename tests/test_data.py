@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import mpedu.__main__ as cli
+import mpedu.cli.commands as cli
 from conftest import FUZZ
-from mpedu.data import Corpus, CorpusError, EOS, PAD, UNK, Vocabulary, load_corpus, read_sentences
+from mpedu.lm import Corpus, CorpusError, EOS, PAD, UNK, Vocabulary, load_corpus, read_sentences
 
 
 PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
@@ -167,7 +167,7 @@ def test_reader_handles_ptb_spacing_crlf_and_a_byte_order_mark(tmp_path):
 
 
 def test_a_split_too_short_for_the_stream_batch_is_named(tmp_path):
-    from mpedu.model import LSTMLM
+    from mpedu.lm import LSTMLM
     from mpedu.training import train
     corpus = load_corpus(write_corpus(tmp_path / "c", train="a b c d e f g\n" * 20, valid="a b\n"))
     model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab))

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from conftest import FUZZ, make_batch, tiny_model
-from mpedu.devices import PR_GET_TIMERSLACK, CallerThread, Device, Worker, describe_devices, get_device, get_devices, list_devices, format_size, parse_size, virtual_count
+from mpedu.runtime import (PR_GET_TIMERSLACK, CallerThread, Device, Worker, describe_devices, get_device,
+    get_devices, list_devices, format_size, parse_size, virtual_count)
 
 
 def test_virtual_devices_are_listed_as_virtual():
@@ -108,7 +109,7 @@ def test_a_lone_virtual_device_runs_on_the_calling_thread_single_threaded():
 
 
 def test_a_one_device_pipeline_steps_on_the_calling_thread():
-    from mpedu.pipeline import Pipeline
+    from mpedu.core import Pipeline
     model = tiny_model(num_layers=2)
     seen = []
     with Pipeline(model, "embed,lstm0,lstm1,decode:vgpu0", "gpipe", 2) as pipe:
@@ -121,7 +122,7 @@ def test_a_one_device_pipeline_steps_on_the_calling_thread():
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="pinning needs an OS that pins threads and two cores")
 def test_a_pipelines_workers_are_pinned_one_per_core_when_there_are_cores_enough():
-    from mpedu.pipeline import Pipeline
+    from mpedu.core import Pipeline
     cores = sorted(os.sched_getaffinity(0))
     model = tiny_model(num_layers=2)
     with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "1f1b", 2) as pipe:
@@ -181,7 +182,8 @@ def test_a_worker_that_cannot_start_says_why_instead_of_hanging():
 
 
 def test_a_pipeline_whose_second_device_cannot_start_ends_the_first(monkeypatch):
-    import mpedu.pipeline as pipeline
+    import mpedu.runtime.workers as workers
+    from mpedu.core import Pipeline
     from conftest import tiny_model
     made = []
 
@@ -191,9 +193,9 @@ def test_a_pipeline_whose_second_device_cannot_start_ends_the_first(monkeypatch)
         made.append(Worker(device, core=core))
         return made[-1]
 
-    monkeypatch.setattr(pipeline, "Worker", worker)
+    monkeypatch.setattr(workers, "Worker", worker)
     with pytest.raises(RuntimeError, match="could not start the worker of vgpu:1"):
-        pipeline.Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1")
+        Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1")
     assert len(made) == 1
     made[0].join()             # stopped: the join returns
     assert not made[0].alive
@@ -218,7 +220,7 @@ def test_sizes_parse_or_say_what_a_size_looks_like(value):
 
 
 def test_sizes_for_people_round_up_when_asked_and_never_print_an_exponent():
-    from mpedu.devices import format_size
+    from mpedu.runtime import format_size
     assert (format_size(555_072), format_size(555_072, up=True)) == ("555 kB", "556 kB")   # a minimum to type back
     assert format_size(555_000, up=True) == "555 kB" and format_size(12.2, up=True) == "13 bytes"
     assert parse_size(format_size(555_072, up=True)) >= 555_072

@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mpedu.files import LOCK_NAME
-from mpedu.distributed.cli import build_parser, pipeline_devices
-from mpedu.distributed.commands import compare
-from mpedu.model import LSTMLM, LMConfig, nll_sum
+from mpedu.runtime import LOCK_NAME
+from mpedu.distributed import build_parser, compare, pipeline_devices
+from mpedu.lm import LSTMLM, LMConfig, nll_sum
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +62,7 @@ def test_options_a_torchrun_job_does_not_take_are_refused_in_words(capsys):
     """--resume, --bptt and the others of python -m mpedu train got argparse's "unrecognized arguments"; each now
     says why a torchrun job does not take it, and none leaves an attribute behind (the recipe reads a missing
     --bptt as "no stream mode")."""
-    from mpedu.distributed.cli import NOT_OFFERED
+    from mpedu.distributed import NOT_OFFERED
     parser = build_parser()
     for option in NOT_OFFERED:
         with pytest.raises(SystemExit):
@@ -121,8 +120,8 @@ def torchrun(*args, env=None, timeout=120, processes=2, script=None):
 def assert_trained_as_one_process(summary, model_file):
     """A torchrun job's perplexities and gathered weights (rank 0 writes every rank's layers) equal one process
     training the tiny model for the same 2 batches."""
-    from mpedu.checkpoint import load_model
-    from mpedu.data import load_corpus
+    from mpedu.training import load_model
+    from mpedu.lm import load_corpus
     from mpedu.training import train
     corpus = load_corpus()
     torch.manual_seed(0)
@@ -195,9 +194,9 @@ def test_train_gives_the_single_process_result(tmp_path):
 TIED_CLIP = """
 import torch, torch.distributed as dist
 from mpedu.distributed import DistributedPipeline, setup
-from mpedu.model import LSTMLM, LMConfig
+from mpedu.lm import LSTMLM, LMConfig
 setup("gloo")
-from mpedu.bucketing import Batch
+from mpedu.lm import Batch
 torch.manual_seed(0)
 model = LSTMLM(50, LMConfig(embed_size=16, hidden_size=16, num_layers=2, tie_weights=True))
 reference = LSTMLM(50, LMConfig(embed_size=16, hidden_size=16, num_layers=2, tie_weights=True))
@@ -209,7 +208,7 @@ pipe = DistributedPipeline(model, "embed:a | lstm0:b | lstm1,decode:a", "gpipe",
 pipe.train_step(batch)
 mine = pipe.owned_grads()
 if dist.get_rank() == 0:
-    from mpedu.single import SingleDevice
+    from mpedu.core import SingleDevice
     SingleDevice(reference).train_step(batch)
     torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01)
     want = dict(reference.named_parameters())
@@ -225,9 +224,9 @@ NAN_WEIGHT = """
 import sys
 import torch, torch.distributed as dist
 from mpedu.distributed import DistributedPipeline, setup
-from mpedu.data import load_corpus
-from mpedu.faults import NumericFault
-from mpedu.model import LSTMLM
+from mpedu.lm import load_corpus
+from mpedu.training import NumericFault
+from mpedu.lm import LSTMLM
 from mpedu.training import train
 setup("gloo")
 corpus = load_corpus()
@@ -289,8 +288,8 @@ def test_every_rank_names_the_layer_a_nan_came_from(tmp_path):
 FROZEN_RANK = """
 import torch, torch.distributed as dist
 from mpedu.distributed import DistributedPipeline, setup
-from mpedu.data import load_corpus
-from mpedu.model import LSTMLM
+from mpedu.lm import load_corpus
+from mpedu.lm import LSTMLM
 from mpedu.training import train
 setup("gloo", timeout=60)
 corpus = load_corpus()
@@ -324,7 +323,7 @@ def test_a_rank_without_gradients_skips_the_batch_the_others_cannot_step_on(tmp_
 SKIP_ONE = """
 import os, sys
 from mpedu.distributed import cli
-from mpedu.model import LSTMLM
+from mpedu.lm import LSTMLM
 made = LSTMLM.from_config
 def from_config(name, vocab_size, **overrides):   # rank 1's lstm1 gradient overflows in the first step only
     model = made(name, vocab_size, **overrides)
@@ -403,8 +402,8 @@ def test_a_failing_rank_makes_every_rank_exit_soon(tmp_path):
 
 @torchrun_job
 def test_two_replicas_of_a_two_stage_pipeline_check_equal_to_one_process(tmp_path):
-    from mpedu.bucketing import Batch
-    from mpedu.single import SingleDevice
+    from mpedu.lm import Batch
+    from mpedu.core import SingleDevice
     proc, _ = torchrun("check", "--pipeline-devices", "2", "--schedule", "1f1b,zb1", "--micro-batches", "4",
                        "--batch-size", "16", "--dropout", "0.3", "--seed", "1", "--out", str(tmp_path),
                        processes=4, timeout=300)
@@ -467,8 +466,8 @@ def test_two_replicas_train_as_one_process_on_the_whole_batch(tmp_path):
 CLIP_AND_FROZEN = """
 import torch, torch.distributed as dist
 from mpedu.distributed import DistributedPipeline, setup
-from mpedu.data import load_corpus
-from mpedu.model import LSTMLM
+from mpedu.lm import load_corpus
+from mpedu.lm import LSTMLM
 from mpedu.training import train
 setup("gloo")
 corpus = load_corpus()
@@ -565,14 +564,14 @@ def test_every_rank_finds_one_origin_on_either_path(tmp_path):
 DIFFERENT_DATA = """
 import os, sys
 from mpedu.distributed import cli
-import mpedu.data
-load = mpedu.data.load_corpus
+import mpedu.lm.data
+load = mpedu.lm.data.load_corpus
 def reversed_on_rank_1(*args, **kwargs):         # the same words, sentences in another order: another corpus
     corpus = load(*args, **kwargs)
     if os.environ["RANK"] == "1":
         corpus.train = corpus.train[::-1]
     return corpus
-mpedu.data.load_corpus = reversed_on_rank_1
+mpedu.lm.data.load_corpus = reversed_on_rank_1
 sys.exit(cli.main(["train", "--limit-batches", "1", "--epochs", "1", "--no-progress", "--out", sys.argv[1]]))
 """
 

@@ -2,9 +2,8 @@
 there is refused with the reason."""
 import pytest
 
-from mpedu.distributed import ScheduleRefused, read_schedule, torch_order
-from mpedu.distributed.bridge import resolve, schedule_arg
-from mpedu.schedules import Schedule, ScheduleError, make, wavefront
+from mpedu.distributed import ScheduleRefused, read_schedule, resolve, schedule_arg, torch_order
+from mpedu.core import Schedule, ScheduleError, make, wavefront
 
 HAND = """
 # a learner's own order: stage 1 answers each forward at once

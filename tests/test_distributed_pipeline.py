@@ -6,8 +6,7 @@ import torch.distributed as dist
 
 from conftest import make_batch, tiny_model
 from mpedu.distributed import DistributedPipeline
-from mpedu.schedules import make
-from mpedu.single import SingleDevice
+from mpedu.core import SingleDevice, make
 
 
 @pytest.fixture
@@ -50,7 +49,7 @@ def test_one_rank_trains_and_evaluates_as_the_single_device_runner(one_rank):
 
 def test_one_rank_is_its_own_clock_origin_on_either_path(one_rank):
     import time
-    from mpedu.distributed.timing import shared_origin
+    from mpedu.distributed import shared_origin
     for same_host in (None, True, False):        # None asks the ranks; False estimates an offset (0 for rank 0)
         before = time.perf_counter()
         origin = shared_origin(same_host=same_host)

@@ -5,9 +5,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import tiny_model
-from mpedu.distributed import ContiguousGrad, StageModule
-from mpedu.distributed.stages import TimedStage, whole_backward_in_b
-from mpedu.distributed.timing import Recorder
+from mpedu.distributed import ContiguousGrad, Recorder, StageModule, TimedStage, whole_backward_in_b
 
 
 def test_the_incoming_gradient_is_made_contiguous():

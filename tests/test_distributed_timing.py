@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from mpedu.distributed.timing import Recorder, merge
-from mpedu.timeline import ALL_REDUCE
+from mpedu.distributed import Recorder, merge
+from mpedu.core import ALL_REDUCE
 
 
 def test_ranks_events_merge_into_one_timeline_starting_at_zero():

@@ -2,8 +2,7 @@
 import pytest
 import torch
 
-from mpedu import dropout
-from mpedu.dropout import Position, PositionalDropout, keep_mask
+from mpedu.lm import Position, PositionalDropout, dropout, keep_mask
 
 
 def test_a_slice_of_the_batch_gets_exactly_that_slice_of_the_batch_mask():

@@ -7,12 +7,8 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_batch, tiny_model
-from mpedu import dropout
-from mpedu.bucketing import Batch, StreamIterator
-from mpedu.dropout import keep_mask
-from mpedu.model import LSTMLM, LMConfig
-from mpedu.pipeline import Pipeline
-from mpedu.single import SingleDevice
+from mpedu.lm import Batch, LMConfig, LSTMLM, StreamIterator, dropout, keep_mask
+from mpedu.core import Pipeline, SingleDevice
 from mpedu.training import evaluate
 from test_distributed import torchrun, torchrun_job
 
@@ -272,7 +268,7 @@ def test_torchrun_check_with_dropout_equals_one_process(tmp_path):
 
 @pytest.mark.parametrize("schedule,m,chunks", [("gpipe", 4, 1), ("wavefront", 2, 2)])
 def test_train_and_evaluate_in_stream_mode_through_a_pipeline_equal_one_device(schedule, m, chunks):
-    from mpedu.data import Corpus, load_corpus
+    from mpedu.lm import Corpus, load_corpus
     from mpedu.training import train
     corpus = load_corpus()
     little = Corpus(corpus.vocab, corpus.train[:150], corpus.valid[:30], corpus.test[:30], name="little")

@@ -5,13 +5,10 @@ import math
 import pytest
 import torch
 
-import mpedu.__main__ as cli
+import mpedu.cli.commands as cli
 from conftest import lm, quiet
-from mpedu.checkpoint import load_checkpoint
-from mpedu.faults import NumericFault
-from mpedu.pipeline import Pipeline
-from mpedu.single import SingleDevice
-from mpedu.training import train
+from mpedu.training import NumericFault, load_checkpoint, train
+from mpedu.core import Pipeline, SingleDevice
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from mpedu.files import LOCK_NAME, OutFolderError, OutLock, atomic_write, prepare_out, why
+from mpedu.runtime import LOCK_NAME, OutFolderError, OutLock, atomic_write, prepare_out, why
 
 
 def test_prepare_out_creates_a_folder_and_refuses_a_file(tmp_path):

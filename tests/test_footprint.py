@@ -5,15 +5,9 @@ import pytest
 import torch
 
 from conftest import make_batch, tiny_model
-from mpedu import schedules
-from mpedu.balance import balance_by_time
-from mpedu.footprint import device_footprints, param_sizes, peak_held, stage_footprint, unit_bytes
-from mpedu.memory import memory_report
-from mpedu.pipeline import Pipeline
-from mpedu.placement import Placement
-from mpedu.profile import StageCost, profile
-from mpedu.schedules import Action
-from mpedu.simulate import simulate
+from mpedu.core import Action, Pipeline, Placement, schedules
+from mpedu.predict import (cap_memory, memory_estimate, StageCost, balance_by_time, device_footprints, memory_report, param_sizes,
+    peak_held, profile, simulate, stage_footprint, unit_bytes)
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 
@@ -35,7 +29,7 @@ def test_the_model_agrees_with_what_a_step_holds(schedule, placement, m, chunks,
     chunk_costs = (profile(model, batch.steps(0, 12 // chunks), micro_batches=m, warmup=0, repeats=1)
                    if chunks > 1 else None)
     with Pipeline(model, placement, schedule, micro_batches=m, chunks=chunks, recompute=recompute) as pipe:
-        estimate = pipe.memory_estimate(batch)
+        estimate = memory_estimate(pipe, batch)
         timeline = pipe.train_step(batch).timeline
         predicted = device_footprints(costs, pipe.placement, pipe.schedule, recompute, chunk_costs=chunk_costs)
     weights, grads = param_sizes(model)
@@ -56,13 +50,12 @@ def test_time_chunks_of_unequal_lengths_are_each_sized_by_their_own_length(T, ch
     holds lets it run."""
     batch, placement = make_batch(T=T, B=8), "embed:vgpu0 | lstm0-2,decode:vgpu1"
     with Pipeline(tiny_model(), placement, "wavefront", micro_batches=2, chunks=chunks, recompute=recompute) as pipe:
-        assert len({hi - lo for lo, hi in pipe._plan(batch).chunk_bounds}) == 2
-        estimate = pipe.memory_estimate(batch)
+        assert len({hi - lo for lo, hi in pipe.bucket_plan(batch).chunk_bounds}) == 2
+        estimate = memory_estimate(pipe, batch)
         held = pipe.train_step(batch).timeline.peak_memory("vgpu:1")
     assert estimate[1].activations == pytest.approx(held, rel=0.01)
     cap = {"vgpu:1": estimate[1].total, "vgpu:0": estimate[0].total}
-    with Pipeline(tiny_model(), placement, "wavefront", micro_batches=2, chunks=chunks, recompute=recompute,
-                  memory_cap=cap) as pipe:
+    with cap_memory(Pipeline(tiny_model(), placement, "wavefront", micro_batches=2, chunks=chunks, recompute=recompute), cap) as pipe:
         assert pipe.train_step(batch).loss > 0
 
 
@@ -71,14 +64,14 @@ def test_the_explorer_shows_what_a_wavefront_step_holds(tmp_path, T, chunks):
     """The explorer's memory figures are the step's: it took each time chunk as 1/chunks of the sequence,
     12-50% too little (a chunk's state comes in and is saved again; unequal lengths when T is not a multiple)."""
     pytest.importorskip("anywidget")
-    from mpedu.widgets import PipelineExplorer
+    from mpedu.course import PipelineExplorer
     model, batch = tiny_model(), make_batch(T=T, B=8)
     costs = profile(model, batch, micro_batches=2, warmup=0, repeats=1)
     explorer = PipelineExplorer(model, batch, devices=2, schedule="wavefront", micro_batches=2, chunks=chunks,
                                 costs=costs, state_file=tmp_path / "state.json")
     shown = explorer.figures["memory_bytes"]
     with Pipeline(model, explorer.placement, "wavefront", micro_batches=2, chunks=chunks) as pipe:
-        held = pipe.memory_estimate(batch)
+        held = memory_estimate(pipe, batch)
         timeline = pipe.train_step(batch).timeline
     for f in held:
         assert f.activations == pytest.approx(timeline.peak_memory(f.device), rel=0.05)
@@ -98,7 +91,7 @@ def test_a_frozen_lead_counts_as_nothing_in_the_first_stage_and_in_full_after_a_
         model.layers[name].requires_grad_(False)
     costs = profile(model, batch, micro_batches=m, warmup=0, repeats=1)
     with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
-        estimate = pipe.memory_estimate(batch)
+        estimate = memory_estimate(pipe, batch)
         timeline = pipe.train_step(batch).timeline
         predicted = device_footprints(costs, pipe.placement, pipe.schedule)
     for f, e in zip(predicted, estimate, strict=True):
@@ -119,7 +112,7 @@ def test_a_frozen_first_stage_under_the_wavefront_holds_nothing_and_is_predicted
     assert costs.backward[0] < costs.backward[2] / 10          # nothing to differentiate: timing the empty call
     with Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "wavefront", micro_batches=2, chunks=3,
                   recompute=recompute) as pipe:
-        estimate = pipe.memory_estimate(batch)
+        estimate = memory_estimate(pipe, batch)
         timeline = pipe.train_step(batch).timeline
     assert timeline.peak_memory("vgpu:0") == estimate[0].activations == 0
     assert estimate[1].activations == pytest.approx(timeline.peak_memory("vgpu:1"), rel=0.05)
@@ -173,7 +166,7 @@ def test_tied_weights_count_once_everywhere():
     costs = profile(model, batch, micro_batches=2, warmup=0, repeats=1)
     assert costs.param_bytes == weights
     with Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu0", "gpipe", micro_batches=2) as pipe:
-        estimate = pipe.memory_estimate(batch)
+        estimate = memory_estimate(pipe, batch)
         report = memory_report(pipe, pipe.train_step(batch).timeline,
                                torch.optim.Adam(model.parameters()))
     assert estimate[0].weights == report["vgpu:0"].params == per_tensor

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from mpedu.heartbeat import LIMIT, Heartbeat
+from mpedu.distributed import LIMIT, Heartbeat
 from test_distributed import torchrun_job
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,7 @@ import math
 import pytest
 
 from conftest import lm, quiet
-from mpedu.history import History, perplexity
-from mpedu.training import train
+from mpedu.training import History, perplexity, train
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread

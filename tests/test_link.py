@@ -12,13 +12,11 @@ import pytest
 import torch
 
 from conftest import make_batch, reference, tiny_model
-from mpedu.__main__ import main
-from mpedu.devices import Device
-from mpedu.claims import NEIGHBOURS, measure_placements
-from mpedu.link import LINKS, Channel, Link
-from mpedu.pipeline import Pipeline
-from mpedu.profile import StageCost
-from mpedu.simulate import simulate
+from mpedu.cli import main
+from mpedu.runtime import Channel, Device, Link, LINKS
+from mpedu.course import NEIGHBOURS, measure_placements
+from mpedu.core import Pipeline
+from mpedu.predict import StageCost, simulate
 
 SLACK = 0.15          # seconds a busy machine may add to a sleep-based delay (never subtracted)
 TWO = "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1"

@@ -4,9 +4,8 @@ import time
 
 import pytest
 
-from mpedu.link import Link
-from mpedu import mailbox as mailbox_module
-from mpedu.mailbox import Aborted, Mailbox
+from mpedu.runtime import Link
+from mpedu.core import Aborted, Mailbox, mailbox as mailbox_module
 
 SLACK = 0.15          # seconds a busy machine may add to a sleep-based delay (never subtracted)
 

@@ -4,8 +4,8 @@ import torch
 from matplotlib.patches import Rectangle
 
 from conftest import make_batch, tiny_model
-from mpedu.memory import memory_report
-from mpedu.pipeline import Pipeline
+from mpedu.predict import cap_memory, memory_report
+from mpedu.core import Pipeline
 
 BALANCED = "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1"
 
@@ -116,7 +116,7 @@ def test_a_gpus_measured_peak_stands_beside_the_estimate(placement):
 
 
 def test_the_table_puts_a_measured_peak_beside_the_estimate():
-    from mpedu.memory import DeviceMemory, MemoryReport
+    from mpedu.predict import DeviceMemory, MemoryReport
     report = MemoryReport([DeviceMemory("cuda:0", 1_000_000, 1_000_000, 0, 500_000, measured=3_200_000),
                            DeviceMemory("vgpu:0", 2_000, 2_000, 0, 0)])
     lines = report.table().splitlines()
@@ -133,8 +133,8 @@ def test_the_table_puts_a_measured_peak_beside_the_estimate():
                  marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
 ])
 def test_the_memory_cap_message_gives_a_gpus_measured_peak(placement):
-    from mpedu.capacity import MemoryCapError
-    with Pipeline(tiny_model(), placement, "gpipe", micro_batches=4, memory_cap="1kB") as pipe:
+    from mpedu.predict import MemoryCapError
+    with cap_memory(Pipeline(tiny_model(), placement, "gpipe", micro_batches=4), "1kB") as pipe:
         with pytest.raises(MemoryCapError) as info:
             pipe.train_step(make_batch())
     message = str(info.value)
@@ -143,7 +143,7 @@ def test_the_memory_cap_message_gives_a_gpus_measured_peak(placement):
 
 
 def test_a_measured_peak_reads_as_a_sentence(monkeypatch):
-    import mpedu.capacity as capacity
+    import mpedu.predict.capacity as capacity
     monkeypatch.setattr(capacity, "measured_peak", lambda device: 12_345_678 if device == "cuda:1" else None)
     assert capacity.gpu_measured("vgpu:0") == ""
     text = capacity.gpu_measured("cuda:1")

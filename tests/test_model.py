@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mpedu.model import CONFIGS, LMConfig, LSTMLM, detach_state, nll_sum
+from mpedu.lm import CONFIGS, LMConfig, LSTMLM, detach_state, nll_sum
 
 V, T, B = 50, 7, 3
 

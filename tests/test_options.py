@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from mpedu.options import (add_training_options, apply_recipe, count, join_dash_values, json_line, non_negative_float,
-                           parse_link, parse_memory_cap, positive_float, positive_int)
-from mpedu.values import check_number, shorten
+from mpedu.cli import (add_training_options, apply_recipe, count, join_dash_values, json_line,
+    non_negative_float, parse_link, parse_memory_cap, positive_float, positive_int)
+from mpedu.runtime import check_number, shorten
 
 
 @pytest.mark.parametrize("value, kw", [(3, dict(integer=True)), (0.5, dict(above=True)), (None, dict(none_ok=True)),

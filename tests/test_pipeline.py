@@ -11,11 +11,8 @@ import pytest
 import torch
 
 from conftest import make_batch, reference, tiny_model
-from mpedu import schedules as S
-from mpedu.mailbox import Mailbox
-from mpedu.model import nll_sum
-from mpedu.pipeline import Pipeline
-from mpedu.stage import Stage
+from mpedu.core import Mailbox, Pipeline, Stage, schedules as S
+from mpedu.lm import nll_sum
 
 BALANCED = "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1"
 UNBALANCED = "embed:vgpu0 | lstm0-2,decode:vgpu1"

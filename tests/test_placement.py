@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from conftest import FUZZ, tiny_model
-from mpedu.devices import get_device
-from mpedu.placement import Placement
+from mpedu.runtime import get_device
+from mpedu.core import Placement
 
 
 @pytest.fixture

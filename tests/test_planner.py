@@ -3,10 +3,9 @@ predicted again from new costs, and per bucket length; epochs of mixed buckets a
 import pytest
 
 from conftest import fake_costs, make_batch, tiny_model
-from mpedu.costcurve import CostCurve
-from mpedu.footprint import device_footprints
-from mpedu.planner import RECOMPUTE, SCHEDULES, PlanStopped, _enumerate, _simulate, plan
-from mpedu.simulate import predict_epoch
+from mpedu.predict import memory_estimate, CostCurve, device_footprints, predict_epoch
+from mpedu.predict import RECOMPUTE, SCHEDULES, PlanStopped, plan
+from mpedu.predict.planner import _enumerate, _simulate
 
 @pytest.fixture(scope="module")
 def model():
@@ -22,7 +21,7 @@ def _all_simulated(model, batch, curve, p, cores=None):
     """Brute force: every candidate the planner enumerates, simulated, with its footprint."""
     T, B = batch.inputs.shape
     ms = [m for m in range(1, B + 1) if B % m == 0]
-    from mpedu.devices import get_devices
+    from mpedu.runtime import get_devices
     out = []
     for c in _enumerate(model.layer_names, get_devices(p), ms, curve, SCHEDULES, RECOMPUTE, (2, 4), T, B, cores):
         peak = max(f.total for f in device_footprints(c.costs, c.placement, c.schedule_obj, recompute=c.recompute,
@@ -153,7 +152,7 @@ def test_optimizer_state_counts_in_every_footprint_and_floor(model, curve):
         assert c.device_bytes == tuple(f.total + 2 * f.gradients for f in grads)
     same = next(c for c in adam.simulated if c.label == sgd.best.label and c.placement == sgd.best.placement)
     assert same.peak_bytes > sgd.best.peak_bytes
-    from mpedu.devices import get_devices
+    from mpedu.runtime import get_devices
     for c in _enumerate(model.layer_names, get_devices(2), [1, 2, 4, 8], curve, SCHEDULES, RECOMPUTE, (2, 4), 9, 8,
                         None, 2.0):
         fp = device_footprints(c.costs, c.placement, c.schedule_obj, recompute=c.recompute, optimizer_bytes_per_param=2)
@@ -163,7 +162,7 @@ def test_optimizer_state_counts_in_every_footprint_and_floor(model, curve):
 
 
 def schedule_of(candidate):
-    from mpedu.schedules import make
+    from mpedu.core import make
     return make(candidate.schedule, candidate.placement.stage_devices, candidate.micro_batches, candidate.chunks)
 
 
@@ -185,7 +184,7 @@ def test_predict_epoch_sums_one_simulation_per_shape(model, curve):
 
 
 def test_plan_buckets_can_choose_a_different_plan_per_length(model, curve):
-    from mpedu.planner import plan_buckets
+    from mpedu.predict import plan_buckets
     choice = plan_buckets(model, [(9, 8), (4, 8), (4, 8)], 2, curve)
     assert set(choice) == {4, 9}
     for T, c in choice.items():
@@ -202,9 +201,9 @@ def test_predict_epoch_follows_a_measured_epoch_of_mixed_buckets(one_thread):
     import torch
 
     from conftest import VOCAB
-    from mpedu.bucketing import BucketIterator
-    from mpedu.pipeline import Pipeline
-    from mpedu.costcurve import profile_curve
+    from mpedu.lm import BucketIterator
+    from mpedu.core import Pipeline
+    from mpedu.predict import profile_curve
 
     model = tiny_model(num_layers=2, embed_size=128, hidden_size=256)
     g = torch.Generator().manual_seed(0)
@@ -232,7 +231,7 @@ def test_predict_epoch_follows_a_measured_epoch_of_mixed_buckets(one_thread):
 
 
 def test_predict_again_reproduces_the_plan_and_follows_new_costs(model, curve):
-    from mpedu.planner import predict
+    from mpedu.predict import predict
     batch = make_batch(T=9, B=8)
     plans = plan(model, batch, 2, costs=curve)
     for c in plans.front:
@@ -250,19 +249,19 @@ def test_one_profile_is_weighed_at_every_shape_the_search_meets(T):
     # plan(costs=<one Costs>) scales times from it, but bytes grow in blocks: they are weighed at each
     # micro-batch width and chunk length (wavefront c=4 with recomputation was 20% under before). T=10 cuts
     # into chunks of 3 and 2 steps: a recomputing stage rebuilds its longest chunk, not an average one
-    from mpedu.profile import profile
+    from mpedu.predict import profile
     model, batch = tiny_model(dropout=0.2), make_batch(T=T, B=8)
     costs = profile(model, batch, micro_batches=1, warmup=0, repeats=1)
     plans = plan(model, batch, 2, costs=costs, schedules=("gpipe", "wavefront"), recompute=(None, "all"))
     assert {c.schedule for c in plans.simulated} == {"gpipe", "wavefront"}
     for c in plans.simulated:
         with c.pipeline(model) as pipe:
-            assert list(c.device_bytes) == [f.total for f in pipe.memory_estimate(batch)], c.label
+            assert list(c.device_bytes) == [f.total for f in memory_estimate(pipe, batch)], c.label
 
 
 def test_a_cost_curve_is_weighed_too_and_keeps_what_it_weighed():
     # a CostCurve (profile once, plan many times) was used unweighed: wavefront peaks 13-21% low
-    from mpedu.costcurve import profile_curve
+    from mpedu.predict import profile_curve
     model, batch = tiny_model(), make_batch(T=10, B=8)
     curve = profile_curve(model, batch, widths=[2, 8], warmup=0, repeats=1)
     plans = plan(model, batch, 2, costs=curve, schedules=("wavefront",), recompute=(None, "all"), chunks=(4,),
@@ -270,7 +269,7 @@ def test_a_cost_curve_is_weighed_too_and_keeps_what_it_weighed():
     assert (3, 8) in curve.weighed and (2, 2) in curve.weighed          # chunks of 3 and 2 steps, kept for next time
     for c in plans.simulated:
         with c.pipeline(model) as pipe:
-            assert list(c.device_bytes) == [f.total for f in pipe.memory_estimate(batch)], c.label
+            assert list(c.device_bytes) == [f.total for f in memory_estimate(pipe, batch)], c.label
 
 
 @pytest.mark.parametrize("given", [[], (), ["4"], [2.0]])

@@ -3,10 +3,8 @@ import matplotlib.pyplot as plt
 import pytest
 
 from conftest import fake_costs, make_batch, tiny_model
-from mpedu.costcurve import CostCurve
-from mpedu.planner import plan
-from mpedu.planplot import plot_plans
-from mpedu.ranking import Measurement
+from mpedu.predict import CostCurve, Measurement, plan
+from mpedu.pictures import plot_plans
 
 
 @pytest.fixture(scope="module")

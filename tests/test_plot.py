@@ -9,8 +9,7 @@ from matplotlib.collections import LineCollection
 from matplotlib.patches import Rectangle
 
 from conftest import make_batch, tiny_model
-from mpedu.pipeline import Pipeline
-from mpedu.timeline import Event, Timeline, plot_timelines
+from mpedu.core import Event, Pipeline, Timeline, plot_timelines
 
 BALANCED = "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1"
 
@@ -186,7 +185,7 @@ def test_save_writes_the_picture_the_trace_and_the_timeline(tmp_path):
 
 
 def test_time_chunk_labels_name_chunk_zero_too_and_units_follow_the_caller():
-    from mpedu.timeline import plot_timelines
+    from mpedu.core import plot_timelines
     t = Timeline(["vgpu:0"])
     for c in range(2):
         t.add(Event("vgpu:0", "F", 0, 0, float(c), c + 1.0, chunk=c))

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from conftest import make_batch, tiny_model
-from mpedu.placement import Placement
-from mpedu.profile import Costs, StageCost, profile
+from mpedu.core import Placement
+from mpedu.predict import Costs, StageCost, profile
 
 
 class Square(nn.Module):

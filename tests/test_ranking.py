@@ -2,9 +2,7 @@
 import pytest
 
 from conftest import fake_costs, make_batch, tiny_model
-from mpedu.planner import plan
-from mpedu.profile import Costs
-from mpedu.ranking import Measurement, kendall_tau, measure
+from mpedu.predict import Costs, Measurement, kendall_tau, measure, plan
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +34,7 @@ def test_measure_runs_the_top_candidates_for_real(model):
 
 
 def test_measured_plans_run_on_the_link_they_were_predicted_with(model, monkeypatch):
-    from mpedu.planner import Candidate
+    from mpedu.predict import Candidate
     batch = make_batch(T=9, B=8)
     costs = Costs.from_dict(fake_costs(model.layer_names, 9, 4).to_dict())
     plans = plan(model, batch, 2, costs=costs, schedules=("gpipe",), link="10gbe")
@@ -54,7 +52,7 @@ def test_measured_plans_run_on_the_link_they_were_predicted_with(model, monkeypa
     def gpu_pipeline(self, model, **kw):
         built.append(kw)
         raise Built
-    from mpedu.devices import Device
+    from mpedu.runtime import Device
     monkeypatch.setattr(Device, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(Candidate, "pipeline", gpu_pipeline)
     built.clear()
@@ -94,7 +92,7 @@ def test_a_measurement_reads_its_worst_error_and_needs_two_plans(model):
 
 
 def test_the_ranking_is_also_judged_over_the_pairs_the_rounds_tell_apart():
-    from mpedu.ranking import tau_apart, told_apart
+    from mpedu.predict import tau_apart, told_apart
     steady = [1.00, 1.01, 1.00, 1.02, 1.00]
     assert told_apart(steady, [1.10, 1.12, 1.11, 1.10, 1.13])               # faster in every round
     assert not told_apart(steady, [1.01, 0.99, 1.02, 1.01, 0.99])           # noise: 3 rounds of 5 one way

@@ -1,8 +1,8 @@
 """Recipes: each config's paper settings in mpedu's learning-rate convention (loss = mean NLL per token)."""
 import pytest
 
-from mpedu.model import CONFIGS
-from mpedu.recipes import BATCH_SIZE, CLIP, CONFIG, EPOCHS, LR, RECIPES, recipe_for
+from mpedu.lm import CONFIGS
+from mpedu.training import BATCH_SIZE, CLIP, CONFIG, EPOCHS, LR, RECIPES, recipe_for
 
 
 def test_the_tiny_config_trains_with_mpedus_defaults_and_the_default_config_is_the_laptop_job():

@@ -5,11 +5,10 @@ import pytest
 import torch
 
 from conftest import make_batch, tiny_model
-from mpedu import dropout
-from mpedu.dropout import keep_mask
-from mpedu.footprint import parse_recompute, recompute_modes, recomputes
-from mpedu.pipeline import Pipeline
-from mpedu.simulate import simulate
+from mpedu.lm import dropout, keep_mask
+from mpedu.core import parse_recompute, recompute_modes, recomputes
+from mpedu.predict import cap_memory, memory_estimate, simulate
+from mpedu.core import Pipeline
 from test_exact import IDS, SCHEDULES, assert_same, grads, one_device  # the transparency suite's schedules, checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
@@ -108,10 +107,10 @@ def test_recompute_choices_are_checked_with_a_message():
 
 def test_the_explorer_offers_recomputation_and_its_memory_is_the_footprint(tmp_path):
     pytest.importorskip("anywidget")
-    from mpedu import schedules
-    from mpedu.footprint import device_footprints
-    from mpedu.profile import profile
-    from mpedu.widgets import PipelineExplorer
+    from mpedu.core import schedules
+    from mpedu.predict import device_footprints
+    from mpedu.predict import profile
+    from mpedu.course import PipelineExplorer
     model, batch = tiny_model(), make_batch(B=8)
     costs = profile(model, batch, micro_batches=4, warmup=0, repeats=1)
     explorer = PipelineExplorer(model, batch, devices=2, micro_batches=4, costs=costs, steps=1,
@@ -138,7 +137,7 @@ def test_the_explorer_offers_recomputation_and_its_memory_is_the_footprint(tmp_p
 def test_the_plot_keys_the_recomputation_boxes():
     from matplotlib.patches import Rectangle
 
-    from mpedu.plot import KIND_NAMES, plot_timeline
+    from mpedu.pictures import KIND_NAMES, plot_timeline
     _, (timeline,) = recomputed(tiny_model(), "1f1b", "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", 4, 1,
                                 [make_batch(B=8)], "all")
     ax = plot_timeline(timeline)
@@ -149,7 +148,7 @@ def test_the_plot_keys_the_recomputation_boxes():
 
 
 def test_the_command_line_recomputes_and_trains_to_the_same_perplexity(capsys, tmp_path):
-    from mpedu.__main__ import main
+    from mpedu.cli import main
     quick = ["--config", "tiny", "--epochs", "1", "--limit-batches", "3", "--batch-size", "16", "--no-progress",
              "--no-baselines", "--devices", "2", "--schedule", "1f1b", "--json"]
     summaries = {}
@@ -167,17 +166,16 @@ def test_the_command_line_recomputes_and_trains_to_the_same_perplexity(capsys, t
 
 
 def test_a_cap_that_refuses_the_step_lets_it_run_with_recomputation():
-    from mpedu.capacity import MemoryCapError
+    from mpedu.predict import MemoryCapError
     placement, batch = "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", make_batch(B=16)
     with Pipeline(tiny_model(), placement, "gpipe", micro_batches=8) as pipe:
-        kept = {f.device: f for f in pipe.memory_estimate(batch)}
+        kept = {f.device: f for f in memory_estimate(pipe, batch)}
     with Pipeline(tiny_model(), placement, "gpipe", micro_batches=8, recompute="all") as pipe:
-        rebuilt = {f.device: f for f in pipe.memory_estimate(batch)}
+        rebuilt = {f.device: f for f in memory_estimate(pipe, batch)}
     cap = (kept["vgpu:1"].total + rebuilt["vgpu:1"].total) // 2       # between the two
-    with Pipeline(tiny_model(), placement, "gpipe", micro_batches=8, memory_cap={"vgpu:1": cap}) as pipe:
+    with cap_memory(Pipeline(tiny_model(), placement, "gpipe", micro_batches=8), {"vgpu:1": cap}) as pipe:
         with pytest.raises(MemoryCapError, match=r"Or recompute activations \(recompute='all'"):
             pipe.train_step(batch)
-    with Pipeline(tiny_model(), placement, "gpipe", micro_batches=8, memory_cap={"vgpu:1": cap},
-                  recompute="all") as pipe:
+    with cap_memory(Pipeline(tiny_model(), placement, "gpipe", micro_batches=8, recompute="all"), {"vgpu:1": cap}) as pipe:
         timeline = pipe.train_step(batch).timeline
     assert timeline.peak_memory("vgpu:1") == rebuilt["vgpu:1"].activations

@@ -1,4 +1,4 @@
-"""The reference pipeline (mpedu.reference): the lesson's text, and an oracle. It gives one device's loss and
+"""The reference pipeline (mpedu.core.reference): the lesson's text, and an oracle. It gives one device's loss and
 gradients, and mpedu.Pipeline's, on every schedule it plays; a schedule that deadlocks or a device that fails
 stops it without a hang or a thread left behind."""
 import threading
@@ -8,10 +8,7 @@ import pytest
 import torch
 
 from conftest import make_batch, tiny_model
-from mpedu.pipeline import Pipeline
-from mpedu.reference import ReferencePipeline
-from mpedu.schedules import B, F, Schedule, ScheduleError
-from mpedu.single import SingleDevice
+from mpedu.core import B, F, Pipeline, ReferencePipeline, Schedule, ScheduleError, SingleDevice
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 
@@ -99,7 +96,7 @@ def test_a_device_that_fails_stops_every_device_and_its_error_reaches_the_caller
 
 def test_a_hand_off_that_never_comes_names_the_waiting_device_and_what_it_waited_for(monkeypatch):
     model, batch = tiny_model(), make_batch()
-    monkeypatch.setattr("mpedu.reference.TIMEOUT_S", 0.2)
+    monkeypatch.setattr("mpedu.core.reference.TIMEOUT_S", 0.2)
     pipe = ReferencePipeline(model, TWO, "gpipe", micro_batches=2)
     # stage 1 skips its backward, so no gradient comes back: only device 0 is left waiting
     monkeypatch.setattr(pipe, "B", lambda s, i: None if s == 1 else ReferencePipeline.B(pipe, s, i))
@@ -109,6 +106,6 @@ def test_a_hand_off_that_never_comes_names_the_waiting_device_and_what_it_waited
 
 
 def test_the_reference_reads_in_one_sitting():
-    import mpedu.reference
-    lines = Path(mpedu.reference.__file__).read_text().splitlines()
-    assert len(lines) <= 150, f"mpedu/reference.py has {len(lines)} lines; the lesson promises at most 150"
+    import mpedu.core.reference
+    lines = Path(mpedu.core.reference.__file__).read_text().splitlines()
+    assert len(lines) <= 150, f"mpedu/core/reference.py has {len(lines)} lines; the lesson promises at most 150"

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import tiny_model
-from mpedu.placement import Placement
-from mpedu.refusals import Refusal, check, dealt
+from mpedu.core import Placement
+from mpedu.course import Refusal, check, dealt
 
 DEVICES = ["vgpu:0", "vgpu:1"]
 
@@ -75,7 +75,7 @@ def test_dealt_cuts_the_layers_into_2p_runs_round_the_devices():
 
 
 def test_interleaved_with_no_micro_batch_count_that_fits_any_device_count_on_dealt_layers_says_pick_gpipe():
-    from mpedu.refusals import check
+    from mpedu.course import check
     layers = ["embed", "lstm0", "lstm1", "lstm2", "lstm3", "decode"]
     devices = ["vgpu:0", "vgpu:1", "vgpu:2"]
     board = dict(zip(layers, devices * 2))          # dealt in turn, twice round

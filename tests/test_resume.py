@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import mpedu.__main__ as cli
+import mpedu.cli.commands as cli
 from conftest import lm, quiet
-from mpedu.bucketing import BucketIterator
-from mpedu.checkpoint import load_checkpoint, load_model
-from mpedu.pipeline import Pipeline
-from mpedu.single import SingleDevice
-from mpedu.training import train
+from mpedu.lm import BucketIterator
+from mpedu.training import load_checkpoint, load_model, train
+from mpedu.core import Pipeline, SingleDevice
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
@@ -151,8 +149,8 @@ def test_a_stream_mode_resume_mid_epoch_equals_an_uninterrupted_run(little, tmp_
 def test_a_widened_pipelines_state_goes_on_in_its_first_columns(little):
     """3 micro-batches run a batch of 8 as 9 columns, and carried_state() is 9 wide (a checkpoint written before
     the cut holds that too): its first 8 columns, loaded anywhere, are the stream's state."""
-    from mpedu.bucketing import StreamIterator
-    from mpedu.runner import fitted
+    from mpedu.lm import StreamIterator
+    from mpedu.core import fitted
     from mpedu.training import stream_columns
     windows = list(StreamIterator(little.train, 8, 6))[:3]
     model = lm(little)
@@ -261,13 +259,13 @@ def test_kill_9_at_random_moments_then_resume_equals_an_uninterrupted_run(tmp_pa
         assert torch.equal(p, q), name
 
 
-# A run with dropout on 2 virtual devices: masks are positional (mpedu.dropout), a function of the seed and
+# A run with dropout on 2 virtual devices: masks are positional (mpedu.lm.dropout), a function of the seed and
 # the global step, so a resumed run draws the masks the uninterrupted one drew.
 _DROPOUT_RUN = """
 import sys, torch
-from mpedu.data import Corpus, load_corpus
-from mpedu.model import LSTMLM
-from mpedu.pipeline import Pipeline
+from mpedu.lm import Corpus, load_corpus
+from mpedu.lm import LSTMLM
+from mpedu.core import Pipeline
 from mpedu.training import train
 corpus = load_corpus()
 little = Corpus(corpus.vocab, corpus.train[:200], corpus.valid[:40], corpus.test[:40], name="little")

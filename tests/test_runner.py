@@ -7,9 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from conftest import VOCAB, first_batch, lm, make_batch, tiny_model
-from mpedu.pipeline import Pipeline
-from mpedu.runner import BaseRunner, Runner, StepResult, check_batch, fit_width, fitted
-from mpedu.single import SingleDevice
+from mpedu.core import BaseRunner, Pipeline, Runner, SingleDevice, StepResult, check_batch, fit_width, fitted
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread

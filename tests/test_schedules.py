@@ -5,8 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from conftest import FUZZ, make_batch, tiny_model
-from mpedu.pipeline import Pipeline
-from mpedu.schedules import Action, B, F, Schedule, ScheduleError, W, make, run_order
+from mpedu.core import Action, B, F, Pipeline, Schedule, ScheduleError, W, make, run_order
 
 
 def table(schedule: Schedule) -> list[str]:

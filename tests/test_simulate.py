@@ -5,10 +5,9 @@ import time
 import pytest
 
 from conftest import tiny_model
-from mpedu.placement import Placement
-from mpedu.profile import Costs, StageCost
-from mpedu.schedules import make, run_order
-from mpedu.simulate import Link, peak_in_flight, simulate
+from mpedu.core import Placement, make, run_order
+from mpedu.predict import Costs, StageCost, fit_link, peak_in_flight, simulate
+from mpedu.runtime import Link
 
 NO_LINK = Link(latency_s=0.0)
 
@@ -147,7 +146,7 @@ def test_bad_speeds_are_refused():
 
 def test_link_fit_reads_the_wait_between_devices():
     tl = simulate("gpipe", [1.0, 1.0], micro_batches=4, link=Link(latency_s=0.25))
-    assert Link.fit(tl).latency_s == pytest.approx(0.25)
+    assert fit_link(tl).latency_s == pytest.approx(0.25)
 
 
 def test_virtual_devices_sharing_cores_take_turns():
@@ -162,7 +161,7 @@ def test_virtual_devices_sharing_cores_take_turns():
     spare = simulate("zb1", [1.0, 2.0, 1.0], micro_batches=5, link=Link(0.1), cores=2.999)
     ref = simulate("zb1", [1.0, 2.0, 1.0], micro_batches=5, link=Link(0.1))
     assert spare.makespan > ref.makespan
-    from mpedu.simulate import _run_shared
+    from mpedu.predict.simulator import _run_shared
     schedule = make("interleaved", [0, 1, 0, 1], 4)
     rng = random.Random(1)
     cost = {a: 0.5 + rng.random() for row in schedule.actions for a in row}
@@ -190,8 +189,8 @@ def test_wavefront_chunks_split_the_sequence(c):
 
 
 def test_a_pipelines_own_link_is_simulated_and_a_schedules_counts_are_not_overridden():
-    from mpedu.pipeline import Pipeline
-    from mpedu.schedules import F, Schedule
+    from mpedu.core import Pipeline
+    from mpedu.core import F, Schedule
     model = tiny_model()
     costs = [StageCost(1e-3)] * 2
     with Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "gpipe", micro_batches=2,
@@ -211,9 +210,9 @@ def test_a_pipelines_own_link_is_simulated_and_a_schedules_counts_are_not_overri
 
 def test_costs_profiled_on_another_model_are_refused_by_simulate_and_plan():
     from conftest import make_batch
-    from mpedu.pipeline import Pipeline
-    from mpedu.planner import plan
-    from mpedu.profile import profile
+    from mpedu.core import Pipeline
+    from mpedu.predict import plan
+    from mpedu.predict import profile
     model, other, batch = tiny_model(), tiny_model(hidden_size=48), make_batch(T=6, B=8)
     theirs = profile(other, batch, micro_batches=2, warmup=0, repeats=1)
     assert theirs.profiled and theirs.names == model.layer_names          # the names alone cannot tell them apart

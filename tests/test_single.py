@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from conftest import first_batch, lm
-from mpedu.bucketing import StreamIterator
-from mpedu.model import nll_sum
-from mpedu.single import SingleDevice
+from mpedu.lm import StreamIterator, nll_sum
+from mpedu.core import SingleDevice
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from conftest import make_batch, reference, tiny_model
-from mpedu.devices import get_device
-from mpedu.stage import Stage, is_recurrent
+from mpedu.runtime import get_device
+from mpedu.core import Stage, is_recurrent
 
 
 def two_stages(model):

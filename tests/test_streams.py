@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from conftest import make_batch
-from mpedu import streams
-from mpedu.streams import MicroBatches
+from mpedu.runtime import MicroBatches, streams
 
 pytestmark = pytest.mark.cuda      # the pinned case runs where CUDA exists (see conftest)
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -5,10 +5,9 @@ from pathlib import Path
 import pytest
 
 from conftest import make_batch, tiny_model
-from mpedu import schedules
-from mpedu.link import Link
-from mpedu.pipeline import Pipeline
-from mpedu.simulate import peak_in_flight, simulate
+from mpedu.core import Pipeline, schedules
+from mpedu.runtime import Link
+from mpedu.predict import peak_in_flight, simulate
 
 SUMMARY = Path(__file__).resolve().parents[1] / "docs" / "summary.md"
 FREE = Link(latency_s=0.0)      # textbook: transfers take no time

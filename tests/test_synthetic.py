@@ -7,8 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpedu import synthetic
-from mpedu.data import load_corpus
+from mpedu.lm import load_corpus, synthetic
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "data" / "embedded"
 
@@ -33,7 +32,7 @@ def test_committed_files_match_the_generator_byte_for_byte(tmp_path):
         name = f"ptb.{split}.txt"
         assert (tmp_path / name).read_bytes() == (EMBEDDED / name).read_bytes(), (
             f"data/embedded/{name} is stale; regenerate it with "
-            f"python -c \"from mpedu import synthetic; synthetic.write('data/embedded')\"")
+            f"python -c \"from mpedu.lm import synthetic; synthetic.write('data/embedded')\"")
 
 
 def test_splits_have_their_own_random_stream():

@@ -1,7 +1,7 @@
 """Timeline arithmetic: makespan, busy and idle time, bubble fraction, text and JSON."""
 import pytest
 
-from mpedu.timeline import Event, Timeline
+from mpedu.core import Event, Timeline
 
 
 def two_device_gpipe():

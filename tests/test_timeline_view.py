@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("anywidget")
 
-from mpedu.simulate import simulate  # noqa: E402
-from mpedu.timeline_view import TIMELINE_CSS, TIMELINE_ESM, TimelineView, timeline_panel  # noqa: E402
+from mpedu.predict import simulate  # noqa: E402
+from mpedu.course import TIMELINE_CSS, TIMELINE_ESM, TimelineView, timeline_panel  # noqa: E402
 
 P, M = 2, 4
 

@@ -10,16 +10,12 @@ import pytest
 import torch
 
 from conftest import first_batch, lm, quiet
-from mpedu.data import Corpus
-from mpedu.history import History
-from mpedu.model import nll_sum
-from mpedu.pipeline import Pipeline
-from mpedu.runner import fit_width
-from mpedu.single import SingleDevice
-from mpedu.training import evaluate, next_lr, step, train
+from mpedu.lm import Corpus, nll_sum
+from mpedu.training import History, evaluate, next_lr, step, train
+from mpedu.core import Pipeline, SingleDevice, fit_width
 
 
-training = importlib.import_module("mpedu.training")  # the module: `mpedu.train` is the function
+training = importlib.import_module("mpedu.training.loop")  # the module: `mpedu.train` is the function
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
@@ -37,7 +33,7 @@ RUN = dict(batch_size=16, lr=5.0, seed=3, checkpoint_every=3)
 def test_evaluate_is_exp_of_nll_over_all_real_tokens(corpus):
     """Whole sentences, each from a fresh state: the default buckets stop at the 99th percentile and cut the
     longest sentences into pieces that each started afresh (PTB test: 431.94 against 431.82)."""
-    from mpedu.bucketing import BucketIterator
+    from mpedu.lm import BucketIterator
     model = lm(corpus).eval()
     with torch.no_grad():              # larger recurrent weights: a piece's fresh state changes its loss
         for name, p in model.named_parameters():
@@ -106,7 +102,7 @@ def test_progress_bars_go_to_stderr(little, capsys):
 
 
 def test_a_pipeline_runner_trains_like_one_device(little):
-    pipeline = pytest.importorskip("mpedu.pipeline", reason="mpedu.pipeline not importable yet")
+    pipeline = pytest.importorskip("mpedu.core.pipeline", reason="mpedu.core.pipeline not importable yet")
     runs = []
     for make_runner in (SingleDevice, lambda m: pipeline.Pipeline(m, 2, "gpipe", micro_batches=4)):
         model = lm(little)
@@ -128,7 +124,7 @@ def test_a_pipeline_runner_trains_like_one_device(little):
 @pytest.mark.parametrize("width", [1, 3, 6])
 def test_a_pipeline_step_on_a_narrow_batch_equals_one_device(little, width):
     # width 1 with 4 micro-batches: three of them are all padding (no tokens at all)
-    pipeline = pytest.importorskip("mpedu.pipeline", reason="mpedu.pipeline not importable yet")
+    pipeline = pytest.importorskip("mpedu.core.pipeline", reason="mpedu.core.pipeline not importable yet")
     batch = first_batch(little.train, batch_size=width)
     model = lm(little)
     twin = copy.deepcopy(model)
@@ -236,7 +232,7 @@ def _in_another_thread(fn):
 def test_a_runner_holding_part_of_the_model_writes_no_checkpoint(little, tmp_path):
     # a torchrun rank (DistributedPipeline) holds only its layers: with out= every rank saved a checkpoint whose
     # other layers were still at their first weights, and --resume then trained on from it
-    from mpedu.single import SingleDevice
+    from mpedu.core import SingleDevice
     model = lm(little)
     rank = SingleDevice(model)
     rank.owned = ["embed", "lstm0"]
@@ -254,7 +250,7 @@ def test_a_runner_holding_part_of_the_model_writes_no_checkpoint(little, tmp_pat
 def test_train_locks_its_out_folder_against_another_run(little, tmp_path, monkeypatch):
     """Library train(out=...) creates the folder and holds its lock, as the command line does: another run
     on the same checkpoint.pt (here on another thread of this process) is refused, naming the holder."""
-    from mpedu.files import LOCK_NAME, OutFolderError, OutLock
+    from mpedu.runtime import LOCK_NAME, OutFolderError, OutLock
     out = tmp_path / "new" / "run"
     tried = []
 

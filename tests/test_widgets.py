@@ -11,13 +11,10 @@ import torch
 pytest.importorskip("anywidget")
 
 from conftest import make_batch, tiny_model  # noqa: E402
-from mpedu.wording import SCHEDULES, far_from_prediction  # noqa: E402
-from mpedu.link import LINKS  # noqa: E402
-from mpedu.placement import Placement  # noqa: E402
-from mpedu.profile import Costs  # noqa: E402
-from mpedu.refusals import Refusal, dealt  # noqa: E402
-from mpedu.timeline import Timeline  # noqa: E402
-from mpedu.widgets import PipelineExplorer  # noqa: E402
+from mpedu.course import PipelineExplorer, Refusal, SCHEDULES, dealt, far_from_prediction  # noqa: E402
+from mpedu.runtime import LINKS  # noqa: E402
+from mpedu.core import Placement, Timeline  # noqa: E402
+from mpedu.predict import Costs  # noqa: E402
 
 B, T, M = 8, 9, 4
 

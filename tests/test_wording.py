@@ -2,10 +2,10 @@
 the note on small micro-batches appears only when they cost clearly more per sequence."""
 from conftest import tiny_model
 from test_widgets import B, M, fixed_costs
-from mpedu import planner
-from mpedu.link import LINKS, Link
-from mpedu.schedules import make
-from mpedu.wording import RECOMPUTE, SCHEDULES, cost_note, link_label, sequences
+from mpedu.predict import planner
+from mpedu.runtime import LINKS, Link
+from mpedu.core import make
+from mpedu.course import RECOMPUTE, SCHEDULES, cost_note, link_label, sequences
 
 
 def test_every_menu_entry_is_a_schedule_and_a_recomputation_the_library_takes():

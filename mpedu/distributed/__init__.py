@@ -18,18 +18,25 @@ each stage starts every micro-batch from zero state and keeps it inside. That is
 bucketed trainer's contract (state reset per batch); stream mode (--bptt) and time
 chunks (wavefront) are not offered here.
 
-Modules: stages (StageModule, TimedStage), bridge (Schedule -> torch's runtime),
+Modules: stages (StageModule, TimedStage), heartbeat (the ranks' watchdog), bridge (Schedule -> torch's runtime),
 native (PyTorch's own classes by name), placement (ranks), group (process group, mesh),
 timing (per-rank recording), pipeline (DistributedPipeline, the runner), cli and
 commands (the command line).
 """
-from .bridge import ActionListSchedule, ScheduleRefused, read_schedule, torch_order
+from . import group
+from .bridge import ActionListSchedule, ScheduleRefused, read_schedule, resolve, schedule_arg, torch_order
+from .cli import NOT_OFFERED, build_parser, main, pipeline_devices
+from .commands import compare
 from .group import Mesh, choose_backend, mesh, setup
+from .heartbeat import LIMIT, Heartbeat
 from .native import TorchPlan, plan_schedule
 from .pipeline import DistributedPipeline
 from .placement import rank_placement
-from .stages import ContiguousGrad, StageModule
+from .stages import ContiguousGrad, StageModule, TimedStage, whole_backward_in_b
+from .timing import Recorder, merge, shared_origin
 
-__all__ = ["ActionListSchedule", "ContiguousGrad", "DistributedPipeline", "Mesh", "ScheduleRefused",
-           "StageModule", "TorchPlan", "choose_backend", "mesh", "plan_schedule",
-           "rank_placement", "read_schedule", "setup", "torch_order"]
+__all__ = ["ActionListSchedule", "ContiguousGrad", "DistributedPipeline", "Heartbeat", "LIMIT", "Mesh",
+           "NOT_OFFERED", "Recorder", "ScheduleRefused", "StageModule", "TimedStage", "TorchPlan", "build_parser",
+           "choose_backend", "compare", "group", "main", "merge", "mesh", "pipeline_devices", "plan_schedule",
+           "rank_placement", "read_schedule", "resolve", "schedule_arg", "setup", "shared_origin", "torch_order",
+           "whole_backward_in_b"]

@@ -1,7 +1,7 @@
 """The schedule bridge: any validated mpedu Schedule runs in PyTorch's pipeline-order runtime.
 
 mpedu writes a schedule as one ordered action list per device (`0F0 0F1 0B0 ...`, see
-mpedu.schedules); the thread engine and the simulator play exactly those lists. PyTorch's
+mpedu.core.schedules); the thread engine and the simulator play exactly those lists. PyTorch's
 pipelining has a runtime that plays per-rank action lists too (the one its looped and
 zero-bubble schedules are built on): it takes compute actions only and inserts the sends
 and receives itself. So the bridge translates action by action:
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
-from ..schedules import Schedule, ScheduleError, from_option, make
-from ..schedules import read as read_schedule      # mpedu.distributed.read_schedule: a hand-written schedule
+from ..core.schedules import Schedule, ScheduleError, from_option, make
+from ..core.schedules import read as read_schedule      # mpedu.distributed.read_schedule: a hand-written schedule
 
 RUNTIME = _PipelineScheduleRuntime
 
@@ -40,12 +40,12 @@ class ScheduleRefused(ValueError):
 
 
 def resolve(schedule: str | Schedule, stage_ranks: list[int], micro_batches: int) -> Schedule:
-    """A validated Schedule for these stages: a name is built by mpedu.schedules.make (its names and
+    """A validated Schedule for these stages: a name is built by mpedu.core.schedules.make (its names and
     aliases), a Schedule is checked against the stage layout and micro-batch count, then validated."""
     if isinstance(schedule, str):
         return make(schedule, list(stage_ranks), micro_batches)
     if not isinstance(schedule, Schedule):
-        raise TypeError(f"schedule must be a name such as 'gpipe' or an mpedu.schedules.Schedule, "
+        raise TypeError(f"schedule must be a name such as 'gpipe' or an mpedu.core.schedules.Schedule, "
                         f"got {type(schedule).__name__}")
     if list(schedule.stage_devices) != list(stage_ranks):
         raise ValueError(f"the schedule {schedule.name!r} puts stages on devices {list(schedule.stage_devices)}, "
@@ -59,7 +59,7 @@ def resolve(schedule: str | Schedule, stage_ranks: list[int], micro_batches: int
 
 
 def schedule_arg(value: str, stage_ranks: list[int], micro_batches: int) -> str | Schedule:
-    """A --schedule value under torchrun: a hand-written schedule file (mpedu.schedules.from_option), else a
+    """A --schedule value under torchrun: a hand-written schedule file (mpedu.core.schedules.from_option), else a
     name; the wavefront is refused here (its time chunks cannot cross ranks)."""
     if value.strip().lower() == "wavefront":
         raise ValueError("--schedule wavefront cuts sentences into time chunks, whose LSTM state cannot travel "

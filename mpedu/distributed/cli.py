@@ -7,11 +7,11 @@ import sys
 
 import torch.distributed as dist
 
-from ..heartbeat import LIMIT as HEARTBEAT
-from ..model import CONFIGS
-from ..options import (add_training_options, count, folder, join_dash_values, non_negative_float, positive_int,
+from .heartbeat import LIMIT as HEARTBEAT
+from ..lm.model import CONFIGS
+from ..cli.options import (add_training_options, count, folder, join_dash_values, non_negative_float, positive_int,
                        shorten)
-from ..recipes import TORCHRUN_CONFIG
+from ..training.recipes import TORCHRUN_CONFIG
 from .group import TIMEOUT, stop_heartbeat
 
 EXAMPLES = """\
@@ -32,7 +32,7 @@ PLACEMENT_HELP = ("layers to devices, e.g. \"embed,lstm0:vgpu0 | lstm1,decode:vg
                   "must name exactly as many devices as a pipeline has ranks (default: the layers split evenly "
                   "over them)")
 
-SCHEDULE_HELP = ("a schedule name (naive, gpipe, 1f1b, interleaved, zb1; mpedu.schedules builds its action "
+SCHEDULE_HELP = ("a schedule name (naive, gpipe, 1f1b, interleaved, zb1; mpedu.core.schedules builds its action "
                  "lists) or a file with one line of actions per device, e.g. '0F0 0F1 0B0 0B1' and "
                  "'1F0 1B0 1F1 1B1': mpedu validates it and torch's runtime plays it as written")
 

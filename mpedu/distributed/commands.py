@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import save_model
-from ..files import OutFolderError, OutLock, prepare_out
-from ..history import diverged
-from ..options import apply_recipe, json_line
-from ..single import SingleDevice
-from ..training import train as fit
+from ..training.checkpoint import save_model
+from ..runtime.files import OutFolderError, OutLock, prepare_out
+from ..training.history import diverged
+from ..cli.options import apply_recipe, json_line
+from ..core.single import SingleDevice
+from ..training.loop import train as fit
 from .bridge import resolve, schedule_arg
 from .cli import pipeline_devices
 from .group import setup
@@ -80,7 +80,7 @@ def run_train(args) -> int:
 
 @contextlib.contextmanager
 def _out_held(rank: int, out: Path, say):
-    """Rank 0 prepares and locks --out (mpedu.files) and tells every rank whether it could: a folder that
+    """Rank 0 prepares and locks --out (mpedu.runtime.files) and tells every rank whether it could: a folder that
     cannot be written stops all ranks before step 1, not after the last epoch with the weights unsaved."""
     with contextlib.ExitStack() as held:
         problem = None
@@ -100,8 +100,8 @@ def _out_held(rank: int, out: Path, say):
 
 
 def _train(args, rank, world, device, say, recipe, p, out) -> int:
-    from ..data import load_corpus
-    from ..model import LSTMLM
+    from ..lm.data import load_corpus
+    from ..lm.model import LSTMLM
     corpus = load_corpus(args.data)          # every rank reads the data: same batches, same order
     same_everywhere(args, corpus)
     torch.manual_seed(args.seed)
@@ -151,9 +151,9 @@ def _train(args, rank, world, device, say, recipe, p, out) -> int:
 
 def run_check(args) -> int:
     """One step per schedule; rank 0 compares loss and gradients with the whole model in one process."""
-    from ..bucketing import BucketIterator
-    from ..data import load_corpus
-    from ..model import LSTMLM
+    from ..lm.bucketing import BucketIterator
+    from ..lm.data import load_corpus
+    from ..lm.model import LSTMLM
     rank, world, device = setup(args.backend, args.timeout, args.heartbeat)
     say = _say(rank)
     if device.type == "cuda":
@@ -171,7 +171,7 @@ def run_check(args) -> int:
     torch.manual_seed(args.seed)
     if not 0.0 <= args.dropout < 1.0:
         raise ValueError(f"--dropout {args.dropout}: expected a probability, 0 <= P < 1")
-    # positional dropout masks (mpedu.dropout): the ranks draw the one-process masks, so --dropout is exact too
+    # positional dropout masks (mpedu.lm.dropout): the ranks draw the one-process masks, so --dropout is exact too
     model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab), dropout=args.dropout)
     stage_ranks = rank_placement(model, args.placement, p).stage_devices
     # every schedule is built and validated before the first step, so a bad one stops the run at once

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..heartbeat import LIMIT as HEARTBEAT, Heartbeat
+from .heartbeat import LIMIT as HEARTBEAT, Heartbeat
 
 TIMEOUT = 600                       # seconds a rank waits for a peer before giving up
 
@@ -26,7 +26,7 @@ def setup(backend: str = "auto", timeout: float = TIMEOUT, heartbeat: float = HE
     gloo on CPU; NCCL on `cuda:LOCAL_RANK` when every process of the node has a GPU of its own
     (see `choose_backend`). `timeout` bounds every
     wait on a peer, so a rank whose peer died exits with an error instead of hanging. `heartbeat`
-    (seconds, 0 for none) ends every rank, naming the silent one, once a peer stops (mpedu.heartbeat).
+    (seconds, 0 for none) ends every rank, naming the silent one, once a peer stops (mpedu.distributed.heartbeat).
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("mpedu.distributed runs under torchrun, which starts one process per device: "

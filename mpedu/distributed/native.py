@@ -3,7 +3,7 @@
 mpedu.distributed runs mpedu's own action lists through the bridge (mpedu.distributed.bridge).
 This module answers a different question: which of PyTorch's hand-written schedule classes
 implements the same idea, so the two can be set side by side (and the bench can time PyTorch's
-own code). Names are read by mpedu.schedules.canonical, so the aliases are mpedu's.
+own code). Names are read by mpedu.core.schedules.canonical, so the aliases are mpedu's.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch.distributed import pipelining as pp
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from ..schedules import canonical, is_round_robin
+from ..core.schedules import canonical, is_round_robin
 
 NAMES = ("naive", "gpipe", "1f1b", "interleaved", "zb1")    # those PyTorch has a class for
 

@@ -17,7 +17,7 @@ world / p replicas of one p-rank pipeline (mpedu.distributed.group.Mesh). Replic
 trains columns [r B/R, (r+1) B/R) of every batch, still scaled by the whole batch's
 tokens, so summing the replicas' gradients (one all-reduce per step over the ranks
 that hold the same stages) gives the whole batch's gradient. Dropout masks are
-positional (mpedu.dropout): each micro-batch draws the slice of the one-process
+positional (mpedu.lm.dropout): each micro-batch draws the slice of the one-process
 masks at its columns, so every layout gives the one-process numbers.
 """
 from __future__ import annotations
@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..faults import Fault, all_finite, first_of
-from ..model import nll_sum
-from ..placement import Placement
-from ..runner import BaseRunner, StepResult, fit_width
-from ..schedules import Schedule
-from ..timeline import ALL_REDUCE
-from .. import dropout
+from ..training.faults import Fault, all_finite, first_of
+from ..lm.model import nll_sum
+from ..core.placement import Placement
+from ..core.runner import BaseRunner, StepResult, fit_width
+from ..core.schedules import Schedule
+from ..core.timeline import ALL_REDUCE
+from ..lm import dropout
 from .bridge import RUNTIME, ActionListSchedule, resolve
 from .group import mesh as make_mesh
 from .native import plan_schedule
@@ -45,12 +45,12 @@ class DistributedPipeline(BaseRunner):
 
     Call in every rank, after init_process_group, with the same model (same seed),
     placement and schedule; every rank then calls train_step/eval_step on the same
-    batches in the same order. It is a Runner (mpedu.runner), so
+    batches in the same order. It is a Runner (mpedu.core.runner), so
     `mpedu.train(model, corpus, runner=pipe, ...)` trains with it: train's clip goes through
     `clip_grad_norm`, over all ranks' gradients. clip= here clips inside every train_step instead
     (for a loop of your own).
 
-    schedule: a name (built by mpedu.schedules.make) or any Schedule that validates, e.g.
+    schedule: a name (built by mpedu.core.schedules.make) or any Schedule that validates, e.g.
     one written by hand; its action lists run as they are (mpedu.distributed.bridge).
     runtime="torch" runs PyTorch's own class for a schedule name instead (native.plan_schedule).
     pipeline_devices: ranks per pipeline; the world holds world / pipeline_devices replicas.
@@ -115,7 +115,7 @@ class DistributedPipeline(BaseRunner):
         self._scale = 1.0
         self.last_timeline = None
         self.bad_before_clip: list[str] | None = None     # this rank's layers with non-finite gradients, before a clip
-        # Positional dropout (mpedu.dropout), as Pipeline and SingleDevice: train() sets both
+        # Positional dropout (mpedu.lm.dropout), as Pipeline and SingleDevice: train() sets both
         self.dropout_seed, self.dropout_step = 0, 0
         self._key: dropout.Position | None = None     # this step's, while it trains
         self._micro_width = self._first_column = 0
@@ -355,7 +355,7 @@ class DistributedPipeline(BaseRunner):
                 if any(p.grad is not None and not all_finite([p.grad]) for p in layer.parameters())]
 
     def agree_on_fault(self, fault: Fault) -> Fault:
-        """Every rank's finding in its own layers (mpedu.faults.find_fault), gathered: the same fault on all."""
+        """Every rank's finding in its own layers (mpedu.training.faults.find_fault), gathered: the same fault on all."""
         found = [None] * self.world
         dist.all_gather_object(found, fault)
         return first_of(found, self.model.layer_names)

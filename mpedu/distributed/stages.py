@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.distributed import pipelining as pp
 
-from .. import dropout
-from ..model import Decode, Embed, LSTMLayer
-from ..stage import is_recurrent
+from ..lm import dropout
+from ..lm.model import Decode, Embed, LSTMLayer
+from ..core.stage import is_recurrent
 
 
 

@@ -1,4 +1,4 @@
-"""Every rank's actions in one step, gathered into one Timeline (mpedu.clock's Clock marks the times)."""
+"""Every rank's actions in one step, gathered into one Timeline (mpedu.runtime.clock's Clock marks the times)."""
 from __future__ import annotations
 
 import socket
@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..clock import Clock
-from ..timeline import ALL_REDUCE, Event, Timeline
+from ..runtime.clock import Clock
+from ..core.timeline import ALL_REDUCE, Event, Timeline
 
 __all__ = ["ALL_REDUCE", "Recorder", "merge", "shared_origin"]
 

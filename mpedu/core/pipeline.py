@@ -1,0 +1,341 @@
+"""Pipeline: runs a schedule's action lists on the devices' workers and records a Timeline."""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from concurrent.futures import FIRST_EXCEPTION
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..lm import dropout
+from ..runtime import streams
+from ..runtime.devices import Device
+from ..runtime.link import Link, format_duration
+from ..runtime.workers import start_workers, stop_workers, wait_interruptibly, wait_uninterrupted
+from . import schedules
+from .carry import CarriedState
+from .device_step import DeviceStep
+from .mailbox import Aborted, Mailbox
+from .placement import Placement, as_placement
+from .recompute import recompute_modes
+from .runner import BaseRunner, StepResult, check_batch
+from .schedules import Action, Schedule, ScheduleError
+from .stage import Stage
+from .timeline import Timeline
+
+
+class Pipeline(BaseRunner):
+    """A model split into stages over devices, trained one schedule step at a time.
+
+        pipe = Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "gpipe", micro_batches=4)
+        result = pipe.train_step(batch)     # gradients accumulate in model's .grad
+        print(result.loss, result.timeline.summary())
+
+    `placement` is a Placement, a placement string, a dict layer -> device, or a
+    device count (an even split). `schedule` is a name (then `micro_batches`, default 4,
+    and `chunks`, default 1, shape it) or a Schedule, which brings its own. Workers
+    persist across steps; `close()` (or garbage collection, or a `with` block) ends them.
+
+    `link` joins virtual devices by an emulated interconnect: a Link, or text for
+    Link.parse ("pcie4", "10gbe/100", "5ms,10MB/s"); None is shared memory (no added
+    delay). A tensor sent at time t then reaches the other device no earlier than
+    t + link.time(bytes): the sender goes on, the receiver sleeps, transfers in one
+    direction queue for the bandwidth (see Link), and the timeline's send event spans
+    the link's time. Between real GPUs copies take their real time: link= is refused.
+
+    `recompute` trades time for memory (activation recomputation, as in GPipe and torchgpipe):
+    None keeps every activation from a forward to its backward; "all" keeps only each stage's
+    input and runs the forward again at the start of the backward (an "R" box in the timeline);
+    "all-but-last" does so for every micro-batch but the last (torchgpipe's default; see
+    mpedu.predict.footprint for what it saves here); {stage: mode} chooses per stage. Gradients are the
+    same either way: dropout draws the same masks on the re-run (mpedu.lm.dropout).
+
+    A memory cap is a check installed around the step (mpedu.predict.cap_memory): each callable in
+    `before_training_step` sees every training batch before any worker runs.
+    """
+
+    carries_state = True
+
+    def __init__(self, model, placement: Placement | str | dict | int = 2, schedule: str | Schedule = "gpipe",
+                 micro_batches: int | None = None, chunks: int | None = None, link: Link | str | None = None,
+                 recompute=None):
+        self.model = model
+        self.placement = as_placement(placement, model)
+        self.placement.check_tied_weights(model)
+        self.schedule = _own_schedule(schedule, self.placement.stage_devices, micro_batches, chunks)
+        self.micro_batches, self.chunks = self.schedule.micro_batches, self.schedule.chunks
+        self._counts = (self.placement.stage_devices, self.micro_batches, self.chunks)   # a step's must match
+        self.devices: list[Device] = self.placement.devices
+        self.link = Link.parse(link)
+        gpus = [d.name for d in self.devices if d.is_cuda]
+        if self.link.emulated and gpus and len(self.devices) > 1:
+            raise ValueError(f"link={self.link.name!r} emulates an interconnect between virtual devices, but this "
+                             f"placement uses {', '.join(gpus)}, whose copies take their real time; drop link= "
+                             "here (to predict another interconnect, give it to simulate(..., link=...))")
+        # per stage: None (keep activations), "all" or "all-but-last" (re-run the forward in the backward)
+        self.recompute = recompute_modes(recompute, len(self.placement.stages))
+        runs = self.placement.stages
+        self.stages = [Stage(s, names, [model.layers[name].to(dev.torch_device) for name in names], dev,
+                             is_last=s == len(runs) - 1) for s, (dev, names) in enumerate(runs)]
+        for dev in self.devices:
+            # The copies to a GPU (and the LSTM's weight flattening) ran on this thread's stream;
+            # the workers' streams do not wait for it: let them finish before any worker reads them.
+            if dev.is_cuda:
+                torch.cuda.current_stream(dev.torch_device).synchronize()
+        # Forward-only order for eval_step: the fill order (GPipe's, or the wavefront's), no backwards.
+        fill = schedules.wavefront(self.placement.stage_devices, self.micro_batches, self.chunks) if self.chunks > 1 \
+            else schedules.gpipe(self.placement.stage_devices, self.micro_batches)
+        self._eval_actions = [[a for a in row if a.kind == "F"] for row in fill.actions]
+        self.bucket_cache: dict[tuple[int, int], BucketPlan] = {}
+        self.before_training_step: list = []          # checks installed around the step (a memory cap)
+        self.last_timeline: Timeline | None = None   # the latest train_step's, for the command line
+        self.carry = CarriedState(self.stages, self.micro_batches)
+        # pinned workers (a core each) poll for a hand-off instead of sleeping (Mailbox)
+        self._workers, self._core_each = start_workers(self.devices)
+        self._finalizer = weakref.finalize(self, stop_workers, self._workers)
+        self._stepping = threading.Lock()     # one step at a time: the stages hold one step's tensors
+        # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.lm.dropout.
+        # Each train_step uses dropout_step, then counts it up; train() sets both from its seed and
+        # global step, so a resumed run draws the masks the uninterrupted one drew.
+        self.dropout_seed = 0
+        self.dropout_step = 0
+
+    def __repr__(self) -> str:
+        link = f", link={self.link.name}" if self.link.emulated else ""
+        modes = set(self.recompute)
+        recompute = "" if modes == {None} else f", recompute={self.recompute[0]!r}" if len(modes) == 1 else (
+            f", recompute={ {s: m for s, m in enumerate(self.recompute) if m} }")
+        return (f"Pipeline({self.placement}, schedule={self.schedule.name}, micro_batches={self.micro_batches}"
+                f"{link}{recompute})")
+
+    # -- public ---------------------------------------------------------------------
+    def train_step(self, batch) -> StepResult:
+        """Forward and backward one batch along the schedule; gradients accumulate in the model.
+
+        The loss is the mean NLL per real token of the whole batch: each micro-batch
+        adds nll_sum / batch.tokens, so the micro-batch losses add up exactly.
+        A step that raises (an error, Ctrl-C) leaves the pipeline ready for the next one, but the
+        backwards that ran before it stopped have added into `.grad`: zero the gradients first.
+        """
+        if not all(module.training for module in self.model.modules()):   # (train() itself: 20 us a step)
+            self.model.train()
+        return self._step(batch, self._checked_schedule().actions, train=True)
+
+    def eval_step(self, batch) -> StepResult:
+        """Forward only (no gradients), in GPipe's fill order."""
+        self.model.eval()
+        return self._step(batch, self._eval_actions, train=False)
+
+    def _checked_schedule(self) -> Schedule:
+        """`self.schedule`, checked again if it was edited or replaced since it was checked: its rows are
+        lists a caller can change, and an edited row would run unchecked (a missing backward: wrong
+        gradients; a missing forward: a wait with nobody to send). Cheap when unchanged: one hash."""
+        schedule = self.schedule
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"pipe.schedule was replaced by {schedule!r}, not a Schedule; build a new Pipeline "
+                            "with the schedule you want")
+        counts = (list(schedule.stage_devices), schedule.micro_batches, schedule.chunks)
+        if counts != self._counts:
+            raise ScheduleError(
+                f"pipe.schedule was changed after the Pipeline was built: it now puts stages on devices "
+                f"{counts[0]} with {counts[1]} micro-batches and {counts[2]} time chunks, this pipeline "
+                f"{self.placement.stage_devices}, {self.micro_batches} and {self.chunks}; build a new Pipeline")
+        try:
+            return schedule.validated()
+        except ScheduleError as e:
+            raise ScheduleError(f"pipe.schedule was edited after the Pipeline was built and cannot run, so "
+                                f"no step ran: {e}") from None
+
+    def bucket_plan(self, batch) -> "BucketPlan":
+        """The shape-specific part of a step, made once per bucket shape (MXNet built one
+        executor per bucket): micro-batch size and time-chunk boundaries."""
+        T, B = batch.inputs.shape
+        plan = self.bucket_cache.get((T, B))
+        if plan is None:
+            if B % self.micro_batches:
+                batch.split(self.micro_batches)   # raises the explanatory error
+            if T < self.chunks:
+                raise ValueError(f"chunks={self.chunks} but this batch has only T={T} time steps; "
+                                 f"use at most {T} chunks or longer buckets")
+            seconds = self.transfer_time(batch)
+            if seconds > LINK_LIMIT_S:
+                raise ValueError(
+                    f"link {self.link}: one step's hand-offs on a ({T}, {B}) batch would take at least "
+                    f"{format_duration(seconds)}, and a step waits for them; mpedu refuses a link slower than "
+                    f"{LINK_LIMIT_S:g} s of transfers a step. A typo? '1ms,1GB/s' is 1 ms + bytes / (1 GB/s); "
+                    f"'10gbe/100' is 10 Gb Ethernet slowed 100x")
+            plan = BucketPlan(T, B, B // self.micro_batches, streams.chunk_bounds(T, self.chunks))
+            self.bucket_cache[T, B] = plan
+        return plan
+
+    def transfer_time(self, batch) -> float:
+        """At least how long one training step's hand-offs take on this pipeline's link, in seconds (0 on
+        shared memory): between two devices each direction queues its tensors for the bandwidth, and
+        the last one lands a latency later. A stage's output is (T, B/m, width) floats, its gradient too."""
+        if not self.link.emulated:
+            return 0.0
+        T, B = batch.inputs.shape
+        itemsize = next(self.model.parameters()).element_size()
+        config, routes = self.model.config, {}
+        for here, there in zip(self.stages, self.stages[1:]):
+            width = config.embed_size if here.names[-1] == "embed" else config.hidden_size
+            nbytes = T * -(-B // self.micro_batches) * width * itemsize * self.micro_batches   # all micro-batches
+            for route in ((here.device.name, there.device.name), (there.device.name, here.device.name)):
+                routes[route] = routes.get(route, 0) + nbytes
+        return max((self.link.time(n) for n in routes.values()), default=0.0)
+
+    def reset_state(self) -> None:
+        """Forget carried recurrent state (stream mode)."""
+        self.carry.forget()
+
+    def carried_state(self) -> dict | None:
+        """The recurrent state stream mode carries into the next batch (mpedu.core.carry), in the form
+        any runner loads: {layer: (h, c)}, each (1, B, H), on the host; None when nothing is carried."""
+        return self.carry.collect()
+
+    def load_carried_state(self, state: dict | None) -> None:
+        """Carry `state` (carried_state's form, from any runner) into the next stream-mode batch of its width."""
+        self.carry.load(state, self.model, {w.device.name: w.stream for w in self._workers})
+
+    def close(self) -> None:
+        """End the workers and wait for them. The pipeline cannot run afterwards."""
+        self._finalizer()
+        for worker in self._workers:
+            worker.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- one step -------------------------------------------------------------------
+    def _step(self, batch, actions: list[list[Action]], train: bool) -> StepResult:
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError("this Pipeline is running a step in another thread; a pipeline runs one step at a "
+                               "time (its stages hold that step's activations): wait for it, or build a second "
+                               "Pipeline on other devices")
+        try:
+            tokens, plan = self._prepare(batch, train)
+            return self._run(batch, tokens, plan, actions, train)
+        finally:
+            self._stepping.release()
+
+    def _prepare(self, batch, train: bool):
+        """Everything checked before a worker runs: the pipeline, the batch, the installed checks."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this Pipeline is closed; build a new one")
+        tokens = check_batch(batch, self.model.vocab_size)
+        for stage in self.stages:        # the stages run the layers they were given: a swapped one would not train
+            for name, layer in zip(stage.names, stage.layers):
+                if self.model.layers[name] is not layer:
+                    raise RuntimeError(f"the model's layer {name!r} was replaced after this Pipeline was built, "
+                                       "which would go on running the old one; build a new Pipeline on the model")
+        plan = self.bucket_plan(batch)
+        for check in self.before_training_step if train else ():
+            check(batch)
+        plan.steps += 1
+        return tokens, plan
+
+    def _run(self, batch, tokens: int, plan: "BucketPlan", actions, train: bool) -> StepResult:
+        """Every device plays its row at once; the caller waits (Ctrl-C still reaches it)."""
+        micro = streams.MicroBatches(batch, self.micro_batches, plan.chunk_bounds,
+                                     pin_inputs=self.stages[0].device.is_cuda,
+                                     pin_targets=self.stages[-1].device.is_cuda)
+        self.carry.begin(batch, len(plan.chunk_bounds))
+        # the step's dropout Position; each (micro-batch, chunk) draws at its first column and time step
+        key = dropout.Position(self.dropout_seed, self.dropout_step) if train else None
+        mailbox = Mailbox(self.link, spin=self._core_each, workers=len(actions), describe=_sender_of)
+        timeline = Timeline([d.name for d in self.devices])
+        t0 = time.perf_counter()
+        callers = streams.caller_streams(self.devices)
+        futures = []
+        try:
+            # Submitted inside the try: a Ctrl-C between two submissions must still abort the jobs
+            # already queued, which would otherwise wait for the others' messages for ever.
+            for d, (worker, row) in enumerate(zip(self._workers, actions)):
+                job = DeviceStep(self, d, row, micro, 1.0 / tokens, train, mailbox, timeline, t0, key, plan)
+                futures.append(worker.submit(streams.after(callers.get(worker.device.name), job.run)))
+            done, _ = wait_interruptibly(futures, return_when=FIRST_EXCEPTION)
+            if any(f.exception() is not None for f in done):
+                mailbox.abort()
+                wait_interruptibly(futures)
+                errors = [f.exception() for f in futures if f.exception() is not None
+                          and not isinstance(f.exception(), Aborted)]
+                raise errors[0] if errors else mailbox.failure or RuntimeError("pipeline step aborted")
+        except BaseException:
+            self._clean_up(mailbox, futures)
+            raise
+        # ...and the caller's next work on each GPU (clip, optimizer step, zero_grad) waits for this step's
+        streams.wait_for_workers(callers, self._workers)
+        nll = float(torch.stack(list(self.stages[-1].nll.values())).double().sum())   # one sync, not one per mb
+        if train:
+            for stage in self.stages:
+                stage.saved.clear()
+            self.last_timeline = timeline
+            self.dropout_step += 1
+        return StepResult(loss=nll / tokens, nll_sum=nll, tokens=tokens, timeline=timeline)
+
+    def _clean_up(self, mailbox: Mailbox, futures) -> None:
+        """After Ctrl-C or a failure: wake every worker, let each finish its current action, then drop
+        the step's tensors so the next step starts clean. A worker runs its jobs in order: once an empty
+        job has run on each, every job of this step has ended, also one queued by a submit that Ctrl-C
+        kept from returning its future."""
+        mailbox.abort()
+        wait_uninterrupted(futures + [w.submit(_nothing) for w in self._workers if w.alive])
+        self.carry.forget()
+
+
+def _nothing() -> None:
+    """An empty job: a worker has finished every job queued before it once it has run."""
+
+
+def _own_schedule(schedule, stage_devices: list[int], micro_batches, chunks) -> Schedule:
+    """The pipeline's Schedule: made from a name, or its own checked copy of one given."""
+    if not isinstance(schedule, (str, Schedule)):
+        raise TypeError(f"schedule must be a name such as 'gpipe' or a Schedule, got {schedule!r}")
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"chunks must be a whole number >= 1, got {chunks!r}")
+    if isinstance(micro_batches, bool):
+        raise ValueError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}")
+    if isinstance(schedule, str):
+        return schedules.make(schedule, stage_devices, 4 if micro_batches is None else micro_batches,
+                              1 if chunks is None else chunks)
+    if list(schedule.stage_devices) != stage_devices:
+        raise ValueError(f"schedule {schedule.name!r} was built for stage devices "
+                         f"{list(schedule.stage_devices)}, but this placement gives {stage_devices}")
+    # its own copy of the rows: an edit of the caller's schedule after this would otherwise reach the
+    # steps unchecked (and a cycle between devices would wait for ever)
+    own = replace(schedule, actions=[list(row) for row in schedule.actions]).validate()
+    schedule.check_counts(micro_batches, chunks)
+    return own
+
+
+def _sender_of(key) -> str:
+    """A mailbox key in words: what is awaited and which action sends it."""
+    kind, stage, mb, chunk = key
+    sender = Action("F", stage - 1, mb, chunk) if kind == "act" else Action("B", stage + 1, mb, chunk)
+    what = "the activation" if kind == "act" else "the gradient"
+    return f"{what} {sender} sends to stage {stage}"
+
+
+LINK_LIMIT_S = 60.0     # seconds of hand-offs a step may need on an emulated link: more is a typo, not a lesson
+
+
+@dataclass
+class BucketPlan:
+    """What a pipeline prepared for one batch shape (T, B): every micro-batch of the bucket
+    has shape (T, micro_batch) through all stages, cut in time at `chunk_bounds`."""
+
+    T: int
+    B: int
+    micro_batch: int
+    chunk_bounds: list[tuple[int, int]]
+    steps: int = 0      # how many steps used this plan
+
+    def __str__(self) -> str:
+        chunks = ", ".join(f"[{lo}:{hi})" for lo, hi in self.chunk_bounds)
+        return (f"bucket T={self.T}, B={self.B}: micro-batches of {self.micro_batch}, "
+                f"time chunks {chunks}, used {self.steps}x")

@@ -1,0 +1,26 @@
+"""What the notebooks use beside the engine: the explorer widget (needs the notebooks extra, so it is
+imported only when asked for), claims judged from measurements, baselines, the explorer's words
+and refusals. Imports the layers below (runtime ... training)."""
+from .baselines import Baselines, measure_baselines
+from .claims import (NEEDS_CORES, NEIGHBOURS, SLOW_LINK, Verdict, compare, free_cores, in_turn,
+    measure_placements, within)
+from .refusals import Refusal, check, dealt
+from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, far_from_prediction, link_label, sequences
+
+__all__ = [
+    "Baselines", "BOARD_CSS", "BOARD_ESM", "LayerBoard", "NEEDS_CORES", "NEIGHBOURS", "PipelineExplorer",
+    "RECOMPUTE", "Refusal", "SCHEDULES", "SLOW_LINK", "SLOWDOWNS", "TIMELINE_CSS", "TIMELINE_ESM",
+    "TimelineView", "Verdict", "check", "compare", "cost_note", "dealt", "describe",
+    "far_from_prediction", "free_cores", "in_turn", "link_label", "measure_baselines",
+    "measure_placements", "same_plan", "sequences", "timeline_panel", "within",
+]
+
+_NEEDS_WIDGETS = {'describe': 'bestplans', 'same_plan': 'bestplans', 'BOARD_CSS': 'board', 'BOARD_ESM': 'board', 'LayerBoard': 'board', 'PipelineExplorer': 'explorer', 'TIMELINE_CSS': 'timeline_view', 'TIMELINE_ESM': 'timeline_view', 'TimelineView': 'timeline_view', 'timeline_panel': 'timeline_view'}
+
+
+def __getattr__(name):
+    # the explorer needs the notebooks extra (ipywidgets, anywidget): import it only when asked for
+    if name in _NEEDS_WIDGETS:
+        import importlib
+        return getattr(importlib.import_module(f".{_NEEDS_WIDGETS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
