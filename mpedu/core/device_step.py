@@ -17,6 +17,7 @@ from ..runtime.clock import Clock
 from ..runtime.streams import copies_for
 from .mailbox import Aborted
 from .recompute import recomputes
+from .schedules import Action
 from .timeline import Mark
 
 
@@ -101,3 +102,10 @@ class DeviceStep:
         moved, ready = self.mailbox.get((kind, a.stage, a.mb, a.chunk), (self.device.name, a))
         return self.copies.receive(moved, ready)
 
+
+def sender_of(key) -> str:
+    """A mailbox key in words: what is awaited and which action sends it."""
+    kind, stage, mb, chunk = key
+    sender = Action("F", stage - 1, mb, chunk) if kind == "act" else Action("B", stage + 1, mb, chunk)
+    what = "the activation" if kind == "act" else "the gradient"
+    return f"{what} {sender} sends to stage {stage}"

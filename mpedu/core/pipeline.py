@@ -5,18 +5,18 @@ import threading
 import time
 import weakref
 from concurrent.futures import FIRST_EXCEPTION
-from dataclasses import dataclass, replace
 
 import torch
 
 from ..lm import dropout
 from ..runtime import streams
 from ..runtime.devices import Device
-from ..runtime.link import Link, format_duration
+from ..runtime.link import Link
 from ..runtime.workers import start_workers, stop_workers, wait_interruptibly, wait_uninterrupted
 from . import schedules
+from .buckets import BucketPlan, plan_bucket, transfer_time
 from .carry import CarriedState
-from .device_step import DeviceStep
+from .device_step import DeviceStep, sender_of
 from .mailbox import Aborted, Mailbox
 from .placement import Placement, as_placement
 from .recompute import recompute_modes
@@ -64,30 +64,18 @@ class Pipeline(BaseRunner):
         self.model = model
         self.placement = as_placement(placement, model)
         self.placement.check_tied_weights(model)
-        self.schedule = _own_schedule(schedule, self.placement.stage_devices, micro_batches, chunks)
+        self.schedule = schedules.for_runner(schedule, self.placement.stage_devices, micro_batches, chunks)
         self.micro_batches, self.chunks = self.schedule.micro_batches, self.schedule.chunks
         self._counts = (self.placement.stage_devices, self.micro_batches, self.chunks)   # a step's must match
         self.devices: list[Device] = self.placement.devices
-        self.link = Link.parse(link)
-        gpus = [d.name for d in self.devices if d.is_cuda]
-        if self.link.emulated and gpus and len(self.devices) > 1:
-            raise ValueError(f"link={self.link.name!r} emulates an interconnect between virtual devices, but this "
-                             f"placement uses {', '.join(gpus)}, whose copies take their real time; drop link= "
-                             "here (to predict another interconnect, give it to simulate(..., link=...))")
+        self.link = Link.parse(link).check_devices(self.devices)
         # per stage: None (keep activations), "all" or "all-but-last" (re-run the forward in the backward)
         self.recompute = recompute_modes(recompute, len(self.placement.stages))
         runs = self.placement.stages
         self.stages = [Stage(s, names, [model.layers[name].to(dev.torch_device) for name in names], dev,
                              is_last=s == len(runs) - 1) for s, (dev, names) in enumerate(runs)]
-        for dev in self.devices:
-            # The copies to a GPU (and the LSTM's weight flattening) ran on this thread's stream;
-            # the workers' streams do not wait for it: let them finish before any worker reads them.
-            if dev.is_cuda:
-                torch.cuda.current_stream(dev.torch_device).synchronize()
-        # Forward-only order for eval_step: the fill order (GPipe's, or the wavefront's), no backwards.
-        fill = schedules.wavefront(self.placement.stage_devices, self.micro_batches, self.chunks) if self.chunks > 1 \
-            else schedules.gpipe(self.placement.stage_devices, self.micro_batches)
-        self._eval_actions = [[a for a in row if a.kind == "F"] for row in fill.actions]
+        streams.settle(self.devices)     # the layers' copies to a GPU, before any worker reads them
+        self._eval_actions = schedules.forwards_only(self.placement.stage_devices, self.micro_batches, self.chunks)
         self.bucket_cache: dict[tuple[int, int], BucketPlan] = {}
         self.before_training_step: list = []          # checks installed around the step (a memory cap)
         self.last_timeline: Timeline | None = None   # the latest train_step's, for the command line
@@ -148,43 +136,17 @@ class Pipeline(BaseRunner):
             raise ScheduleError(f"pipe.schedule was edited after the Pipeline was built and cannot run, so "
                                 f"no step ran: {e}") from None
 
-    def bucket_plan(self, batch) -> "BucketPlan":
-        """The shape-specific part of a step, made once per bucket shape (MXNet built one
-        executor per bucket): micro-batch size and time-chunk boundaries."""
+    def bucket_plan(self, batch) -> BucketPlan:
+        """The shape-specific part of a step, made once per bucket shape (mpedu.core.buckets)."""
         T, B = batch.inputs.shape
         plan = self.bucket_cache.get((T, B))
         if plan is None:
-            if B % self.micro_batches:
-                batch.split(self.micro_batches)   # raises the explanatory error
-            if T < self.chunks:
-                raise ValueError(f"chunks={self.chunks} but this batch has only T={T} time steps; "
-                                 f"use at most {T} chunks or longer buckets")
-            seconds = self.transfer_time(batch)
-            if seconds > LINK_LIMIT_S:
-                raise ValueError(
-                    f"link {self.link}: one step's hand-offs on a ({T}, {B}) batch would take at least "
-                    f"{format_duration(seconds)}, and a step waits for them; mpedu refuses a link slower than "
-                    f"{LINK_LIMIT_S:g} s of transfers a step. A typo? '1ms,1GB/s' is 1 ms + bytes / (1 GB/s); "
-                    f"'10gbe/100' is 10 Gb Ethernet slowed 100x")
-            plan = BucketPlan(T, B, B // self.micro_batches, streams.chunk_bounds(T, self.chunks))
-            self.bucket_cache[T, B] = plan
+            plan = self.bucket_cache[T, B] = plan_bucket(self, batch)
         return plan
 
     def transfer_time(self, batch) -> float:
-        """At least how long one training step's hand-offs take on this pipeline's link, in seconds (0 on
-        shared memory): between two devices each direction queues its tensors for the bandwidth, and
-        the last one lands a latency later. A stage's output is (T, B/m, width) floats, its gradient too."""
-        if not self.link.emulated:
-            return 0.0
-        T, B = batch.inputs.shape
-        itemsize = next(self.model.parameters()).element_size()
-        config, routes = self.model.config, {}
-        for here, there in zip(self.stages, self.stages[1:]):
-            width = config.embed_size if here.names[-1] == "embed" else config.hidden_size
-            nbytes = T * -(-B // self.micro_batches) * width * itemsize * self.micro_batches   # all micro-batches
-            for route in ((here.device.name, there.device.name), (there.device.name, here.device.name)):
-                routes[route] = routes.get(route, 0) + nbytes
-        return max((self.link.time(n) for n in routes.values()), default=0.0)
+        """At least how long one training step's hand-offs take on this pipeline's link, in seconds."""
+        return transfer_time(self, batch)
 
     def reset_state(self) -> None:
         """Forget carried recurrent state (stream mode)."""
@@ -247,7 +209,7 @@ class Pipeline(BaseRunner):
         self.carry.begin(batch, len(plan.chunk_bounds))
         # the step's dropout Position; each (micro-batch, chunk) draws at its first column and time step
         key = dropout.Position(self.dropout_seed, self.dropout_step) if train else None
-        mailbox = Mailbox(self.link, spin=self._core_each, workers=len(actions), describe=_sender_of)
+        mailbox = Mailbox(self.link, spin=self._core_each, workers=len(actions), describe=sender_of)
         timeline = Timeline([d.name for d in self.devices])
         t0 = time.perf_counter()
         callers = streams.caller_streams(self.devices)
@@ -290,52 +252,3 @@ class Pipeline(BaseRunner):
 
 def _nothing() -> None:
     """An empty job: a worker has finished every job queued before it once it has run."""
-
-
-def _own_schedule(schedule, stage_devices: list[int], micro_batches, chunks) -> Schedule:
-    """The pipeline's Schedule: made from a name, or its own checked copy of one given."""
-    if not isinstance(schedule, (str, Schedule)):
-        raise TypeError(f"schedule must be a name such as 'gpipe' or a Schedule, got {schedule!r}")
-    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-        raise ValueError(f"chunks must be a whole number >= 1, got {chunks!r}")
-    if isinstance(micro_batches, bool):
-        raise ValueError(f"micro_batches must be a whole number >= 1, got {micro_batches!r}")
-    if isinstance(schedule, str):
-        return schedules.make(schedule, stage_devices, 4 if micro_batches is None else micro_batches,
-                              1 if chunks is None else chunks)
-    if list(schedule.stage_devices) != stage_devices:
-        raise ValueError(f"schedule {schedule.name!r} was built for stage devices "
-                         f"{list(schedule.stage_devices)}, but this placement gives {stage_devices}")
-    # its own copy of the rows: an edit of the caller's schedule after this would otherwise reach the
-    # steps unchecked (and a cycle between devices would wait for ever)
-    own = replace(schedule, actions=[list(row) for row in schedule.actions]).validate()
-    schedule.check_counts(micro_batches, chunks)
-    return own
-
-
-def _sender_of(key) -> str:
-    """A mailbox key in words: what is awaited and which action sends it."""
-    kind, stage, mb, chunk = key
-    sender = Action("F", stage - 1, mb, chunk) if kind == "act" else Action("B", stage + 1, mb, chunk)
-    what = "the activation" if kind == "act" else "the gradient"
-    return f"{what} {sender} sends to stage {stage}"
-
-
-LINK_LIMIT_S = 60.0     # seconds of hand-offs a step may need on an emulated link: more is a typo, not a lesson
-
-
-@dataclass
-class BucketPlan:
-    """What a pipeline prepared for one batch shape (T, B): every micro-batch of the bucket
-    has shape (T, micro_batch) through all stages, cut in time at `chunk_bounds`."""
-
-    T: int
-    B: int
-    micro_batch: int
-    chunk_bounds: list[tuple[int, int]]
-    steps: int = 0      # how many steps used this plan
-
-    def __str__(self) -> str:
-        chunks = ", ".join(f"[{lo}:{hi})" for lo, hi in self.chunk_bounds)
-        return (f"bucket T={self.T}, B={self.B}: micro-batches of {self.micro_batch}, "
-                f"time chunks {chunks}, used {self.steps}x")

@@ -35,7 +35,7 @@ import torch
 from ..lm.model import nll_sum
 from .placement import Placement
 from .runner import StepResult, check_batch, fit_width
-from .schedules import Schedule, make
+from .schedules import make
 
 TIMEOUT_S = 60.0   # a hand-off that takes longer means a bug: say which device waited for what
 

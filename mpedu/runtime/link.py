@@ -113,6 +113,14 @@ class Link:
             link = link.slowed(factor)
         return link
 
+    def check_devices(self, devices) -> "Link":
+        """This link, for a pipeline on `devices`; refused where it would emulate copies between real GPUs."""
+        gpus = [d.name for d in devices if d.is_cuda]
+        if self.emulated and gpus and len(devices) > 1:
+            raise ValueError(f"link={self.name!r} emulates an interconnect between virtual devices, but this "
+                             f"placement uses {', '.join(gpus)}, whose copies take their real time; drop link= "
+                             "here (to predict another interconnect, give it to simulate(..., link=...))")
+        return self
 
 class Channel:
     """One direction of a link between two devices during one step: transfers queue for its bandwidth.

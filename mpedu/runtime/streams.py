@@ -142,3 +142,11 @@ def wait_for_workers(callers: dict, workers) -> None:
     for worker in workers:
         if worker.stream is not None:
             callers[worker.device.name].wait_stream(worker.stream)
+
+
+def settle(devices) -> None:
+    """Let the calling thread's work on each GPU finish (the layers' copies to it, the LSTM's weight
+    flattening): the workers' streams do not wait for this thread's, and will read those weights."""
+    for device in devices:
+        if device.is_cuda:
+            torch.cuda.current_stream(device.torch_device).synchronize()

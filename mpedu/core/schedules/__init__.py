@@ -1,0 +1,28 @@
+"""Pipeline schedules as data: per device, an ordered list of actions such as `1F3`.
+
+Letters used throughout: p devices, n stages (n >= p when a device holds several),
+m micro-batches, s a stage, i a micro-batch, c a time chunk, k a clock tick.
+
+An action is (kind, stage, micro-batch[, chunk]) with kind
+    F  forward of one micro-batch through one stage
+    B  backward: the input gradient (and, when the schedule has no W for that
+       stage, the weight gradient too)
+    W  weight gradient only (zero-bubble schedules split the backward into B + W)
+Its string form is `<stage><kind><micro-batch>` (`1F3`), with `.c` for a time
+chunk other than 0 (`1F3.2`).
+
+One Schedule drives the executor (mpedu.core.pipeline), the simulator (mpedu.predict.simulator)
+and the printers here. `Schedule.validate()` proves it can run before anything does.
+
+Modules: actions (Action, Schedule, validate, run_order: the data and its checks), generators (the
+named schedules and `make`), files (hand-written schedules). Use them through this package:
+`schedules.make("1f1b", [0, 1], 4)`, `schedules.F(0, 1)`.
+"""
+from .actions import KINDS, MAX_UNITS, Action, B, F, Schedule, ScheduleError, W, run_order
+from .files import from_option, read, read_file
+from .generators import (ALIASES, GENERATORS, canonical, for_runner, forwards_only, gpipe, interleaved, is_round_robin, make, naive,
+                         one_f_one_b, wavefront, zb1)
+
+__all__ = ["ALIASES", "Action", "B", "F", "GENERATORS", "KINDS", "MAX_UNITS", "Schedule", "ScheduleError", "W",
+           "canonical", "for_runner", "forwards_only", "from_option", "gpipe", "interleaved", "is_round_robin", "make", "naive", "one_f_one_b",
+           "read", "read_file", "run_order", "wavefront", "zb1"]
