@@ -281,3 +281,25 @@ def test_limit_batches_says_when_valid_and_test_cover_only_their_first_batches(l
     train(lm(little), little, epochs=1, batch_size=16, limit_batches=10, **quiet(lines))
     assert not any(line.startswith("note: limit_batches") for line in lines), lines
     assert lines[-1].startswith("test ppl") and "first" not in lines[-1]
+
+
+def test_callbacks_see_every_batch_and_epoch_as_training_goes(little):
+    seen = []
+    history = train(lm(little), little, epochs=2, limit_batches=3, **RUN, **quiet(), callbacks={
+        "on_batch_end": lambda epoch, i, result: seen.append(("batch", epoch, i, round(result.loss, 6))),
+        "on_epoch_end": lambda record: seen.append(("epoch", record["epoch"], record["valid_ppl"]))})
+    assert [s[:3] for s in seen] == [("batch", 0, 0), ("batch", 0, 1), ("batch", 0, 2), ("epoch", 1, history.valid_ppls[0]),
+                                     ("batch", 1, 0), ("batch", 1, 1), ("batch", 1, 2), ("epoch", 2, history.valid_ppls[1])]
+    assert all(math.isfinite(s[3]) for s in seen if s[0] == "batch")
+    with pytest.raises(ValueError, match="on_batch_end, on_epoch_end"):
+        train(lm(little), little, epochs=1, **RUN, **quiet(), callbacks={"on_step": print})
+
+
+def test_train_installs_a_memory_cap_on_its_pipeline(little):
+    from mpedu.predict import MemoryCapError
+    model = lm(little)
+    with Pipeline(model, TWO, "gpipe", micro_batches=2) as pipe:
+        with pytest.raises(MemoryCapError, match="more than its memory_cap"):
+            train(model, little, runner=pipe, epochs=1, limit_batches=1, memory_cap="1kB", **RUN, **quiet())
+    with pytest.raises(ValueError, match="memory_cap applies to a Pipeline"):
+        train(lm(little), little, epochs=1, memory_cap="1kB", **RUN, **quiet())

@@ -236,6 +236,23 @@ class Timeline:
         return plot_timeline(self, ax, title=title, time_unit=time_unit, show_transfers=show_transfers,
                              xlim=xlim)
 
+    def _send_tracks(self, tid: dict) -> tuple[dict, dict]:
+        """Where each send goes in a trace: on its device's track when it overlaps nothing there, else on
+        the first "<device> sends" track free at its start. ({id(send): track}, {device: [[track, free from]]})"""
+        lane_of, lanes = {}, {d: [] for d in self.devices}
+        kept = {d: [(c.start, c.end) for c in self.compute(d)] for d in self.devices}
+        for e in self.transfers():
+            if not any(e.start < end and start < e.end for start, end in kept[e.device]):
+                kept[e.device].append((e.start, e.end))
+                lane_of[id(e)] = tid[e.device]
+                continue
+            lane = next((lane for lane in lanes[e.device] if lane[1] <= e.start), None)
+            if lane is None:
+                lane = [len(tid) + sum(map(len, lanes.values())), e.start]
+                lanes[e.device].append(lane)
+            lane[1], lane_of[id(e)] = e.end, lane[0]
+        return lane_of, lanes
+
     def chrome_trace(self) -> dict:
         """The timeline in the Trace Event Format that Perfetto (ui.perfetto.dev) and chrome://tracing open.
 
@@ -249,18 +266,7 @@ class Timeline:
         tid = {d: i for i, d in enumerate(self.devices)}
         events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0,
                                "args": {"name": f"mpedu step ({self.source})"}}]
-        lane_of, lanes = {}, {d: [] for d in self.devices}   # send -> track; per device [[track, free from]]
-        kept = {d: [(c.start, c.end) for c in self.compute(d)] for d in self.devices}
-        for e in self.transfers():
-            if not any(e.start < end and start < e.end for start, end in kept[e.device]):
-                kept[e.device].append((e.start, e.end))
-                lane_of[id(e)] = tid[e.device]
-                continue
-            lane = next((lane for lane in lanes[e.device] if lane[1] <= e.start), None)
-            if lane is None:
-                lane = [len(tid) + sum(map(len, lanes.values())), e.start]
-                lanes[e.device].append(lane)
-            lane[1], lane_of[id(e)] = e.end, lane[0]
+        lane_of, lanes = self._send_tracks(tid)
         for d, i in tid.items():
             events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": i, "args": {"name": d}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": i,

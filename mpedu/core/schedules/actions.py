@@ -214,16 +214,21 @@ def run_order(schedule: Schedule, cost: Callable[[int, Action], float] = lambda 
                 ready.append(waiter.pop(a))
     stuck = [d for d, row in enumerate(schedule.actions) if pos[d] < len(row)]
     if stuck:
-        label = schedule.label
-        lines, cause = [], None
-        for d in stuck:
-            a = schedule.actions[d][pos[d]]
-            missing = [x for x in schedule.dependencies(a) if x not in done]
-            own = [x for x in missing if schedule.stage_devices[x.stage] == d]   # behind it on its own device
-            cause = cause or (a if own else None)
-            lines.append(f"device {d} waits at {label(a)} for {', '.join(map(label, missing))}"
-                         + (f", which comes later in device {d}'s own list" if own else ""))
-        mark = cause or schedule.actions[stuck[0]][pos[stuck[0]]]
-        raise ScheduleError("deadlock: no device can go on\n  " + "\n  ".join(lines) + "\n" + schedule.grid(mark=mark))
+        raise _deadlock(schedule, stuck, pos, done)
     played.sort(key=lambda x: (x[2], x[0]))
     return played
+
+
+def _deadlock(schedule: Schedule, stuck: list[int], pos: list[int], done) -> ScheduleError:
+    """What each stuck device waits for, and the grid with the action at the cause marked."""
+    label = schedule.label
+    lines, cause = [], None
+    for d in stuck:
+        a = schedule.actions[d][pos[d]]
+        missing = [x for x in schedule.dependencies(a) if x not in done]
+        own = [x for x in missing if schedule.stage_devices[x.stage] == d]   # behind it on its own device
+        cause = cause or (a if own else None)
+        lines.append(f"device {d} waits at {label(a)} for {', '.join(map(label, missing))}"
+                     + (f", which comes later in device {d}'s own list" if own else ""))
+    mark = cause or schedule.actions[stuck[0]][pos[stuck[0]]]
+    return ScheduleError("deadlock: no device can go on\n  " + "\n  ".join(lines) + "\n" + schedule.grid(mark=mark))
