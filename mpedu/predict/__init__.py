@@ -9,7 +9,8 @@ from .costmodel import GPUSpec, gpu_costs, layer_times
 from .footprint import device_footprints, param_sizes, peak_held, stage_footprint, unit_bytes
 from .memory import DeviceMemory, MemoryReport, measured_peak, memory_report
 from .partition import balance, balance_by_params, balance_by_time, to_placement
-from .planner import RECOMPUTE, SCHEDULES, Candidate, PlanStopped, plan, plan_buckets, predict, search_shapes
+from .planner import RECOMPUTE, SCHEDULES, plan, plan_buckets, predict, search_shapes
+from .plans import Candidate, PlanStopped
 from .profiling import Costs, StageCost, profile
 from .ranking import Measurement, kendall_tau, measure, tau_apart, told_apart
 from .simulator import peak_in_flight, predict_epoch, simulate

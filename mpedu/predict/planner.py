@@ -25,9 +25,10 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .bounds import held_units, memory_floor, time_bound
+from .plans import Candidate, NoPlanFits, Plans, PlanStopped, as_choices
 from .costcurve import CostCurve, profile_curve
 from ..runtime.devices import device_list
 from ..runtime.values import format_size, parse_size
@@ -35,143 +36,13 @@ from .footprint import device_footprints
 from ..core.recompute import check_mode
 from ..runtime.values import check_number
 from ..core.placement import Placement
-from ..pictures.planplot import plot_plans
 from .profiling import Costs, StageCost
-from .ranking import Measurement, measure
 from ..core.schedules import Schedule, make as make_schedule
 from .simulator import simulate
 from ..runtime.streams import chunk_bounds
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1", "wavefront")
 RECOMPUTE = (None, "all", "all-but-last")
-
-
-class PlanStopped(Exception):
-    """plan(..., should_stop=...) said stop: the search ended before it was done (no result)."""
-
-
-class NoPlanFits(ValueError):
-    """No plan fits the memory cap: `smallest` is the plan with the smallest footprint found, `cap` the cap."""
-
-    def __init__(self, message: str, smallest, cap: int):
-        super().__init__(message)
-        self.smallest, self.cap = smallest, cap
-
-
-def _choices(value) -> tuple:
-    """A tuple of choices from a tuple or list, or from one value (a name, a count, None)."""
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way to run a step: where the layers go, in what order, in how many pieces, with what kept."""
-
-    placement: Placement
-    schedule: str
-    micro_batches: int
-    chunks: int
-    recompute: str | None
-    step_s: float                   # predicted seconds per training step
-    device_bytes: tuple[int, ...]   # predicted peak bytes per device (weights, gradients, activations)
-    fits: bool = True               # every device within the memory cap
-
-    @property
-    def peak_bytes(self) -> int:
-        """The largest device's footprint: what a cap must allow."""
-        return max(self.device_bytes)
-
-    @property
-    def label(self) -> str:
-        chunks = f" c={self.chunks}" if self.chunks > 1 else ""
-        rc = f" recompute={self.recompute}" if self.recompute else ""
-        return f"{self.schedule} m={self.micro_batches}{chunks}{rc}"
-
-    def pipeline(self, model, **kwargs):
-        """A Pipeline that runs this candidate (extra keyword arguments go to Pipeline)."""
-        from ..core.pipeline import Pipeline
-        if self.recompute is not None:
-            kwargs["recompute"] = self.recompute
-        return Pipeline(model, self.placement, self.schedule, self.micro_batches, chunks=self.chunks, **kwargs)
-
-    def __str__(self) -> str:
-        return (f"{self.label:<40} {self.step_s * 1e3:9.1f} ms  peak {format_size(self.peak_bytes):>9}  "
-                f"{self.placement}")
-
-
-@dataclass
-class Plans:
-    """The Pareto front of a search (fastest first) and the fastest candidate under the cap."""
-
-    front: list[Candidate]
-    best: Candidate | None
-    memory_cap: int | None
-    searched: int                   # candidates considered
-    simulated: list[Candidate] = field(default_factory=list)   # every candidate simulated, fastest first
-    seconds: float = 0.0            # time the search took (profiling not included)
-    # the candidates the search did not need to simulate, by time bound, and simulate's link and cores:
-    # top() simulates more of them when it needs more plans that fit
-    pending: list = field(default_factory=list, repr=False)
-    simulate_args: tuple = (None, None)
-
-    def table(self) -> str:
-        cap = f"memory cap {format_size(self.memory_cap)}" if self.memory_cap else "no memory cap"
-        lines = [f"Pareto front of {self.searched} candidates ({len(self.simulated)} simulated, "
-                 f"{self.seconds * 1e3:.0f} ms), {cap}:"]
-        for c in self.front:
-            mark = "*" if c is self.best else " " if c.fits else "x"
-            lines.append(f" {mark} {c}")
-        lines.append("* the fastest that fits" + ("; x over the cap" if self.memory_cap else ""))
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def top(self, k: int = 5) -> list[Candidate]:
-        """The k candidates to measure: the front's points that fit, fastest first, then the fastest
-        other plans that fit (simulating candidates the search skipped, if it must)."""
-        chosen = [c for c in self.front if c.fits][:k]
-        for c in self.fastest_fitting(k):
-            if len(chosen) >= k:
-                break
-            if all(c is not d for d in chosen):
-                chosen.append(c)
-        return sorted(chosen, key=lambda c: c.step_s)
-
-    def fastest_fitting(self, k: int) -> list[Candidate]:
-        """The k fastest plans within the cap, exactly: skipped candidates are simulated, in order of
-        their time bound, until none left could be faster than the k-th."""
-        link, cores = self.simulate_args
-        while self.pending:
-            fits = [c for c in self.simulated if c.fits]
-            if len(fits) >= k and fits[k - 1].step_s <= self.pending[0].bound:
-                break
-            option = self.pending.pop(0)
-            if self.memory_cap is None or option.memory_floor <= self.memory_cap:
-                bisect.insort(self.simulated, _predict(option, link, cores, self.memory_cap),
-                              key=lambda c: (c.step_s, c.peak_bytes))
-        return [c for c in self.simulated if c.fits][:k]
-
-    def spread(self, k: int = 4) -> list[Candidate]:
-        """k plans from the front that fit, from the fastest to the smallest, evenly spaced along it: a
-        ranking test among plans that differ, where the top k may all be within noise of each other."""
-        fitting = [c for c in self.front if c.fits]
-        if len(fitting) <= k:
-            return fitting
-        return [fitting[round(i * (len(fitting) - 1) / (k - 1))] for i in range(k)]
-
-    def measure(self, model, batch, top: int = 5, steps: int = 3, warmup: int = 1,
-                candidates: list[Candidate] | None = None, rounds=None) -> Measurement:
-        """Run the `top` candidates for real (median of `steps` steps after `warmup`), one step of each
-        in turn per round so that drifting load falls on all alike; compare with the predictions.
-        `rounds`: see mpedu.predict.ranking.measure."""
-        return measure(candidates if candidates is not None else self.top(top), model, batch, steps, warmup,
-                       rounds, link=self.simulate_args[0])
-
-    def plot(self, ax=None, measured: Measurement | None = None):
-        """Peak memory against step time: every simulated candidate (grey), the front (line), the best
-        (star), the cap (dashed), and measured points beside their predictions when given."""
-        return plot_plans(self, ax, measured)
 
 
 def predict(candidate: Candidate, costs: CostCurve, T: int, B: int, link=None, cores=None) -> float:
@@ -209,8 +80,8 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     devs = device_list(devices)
     # one value where a tuple of choices goes: plan for that one
     given_chunks = chunks is not None
-    schedules, recompute, chunks = (_choices(v) for v in (schedules, recompute, chunks if given_chunks else (2, 4)))
-    micro_batches = _choices(micro_batches) if micro_batches is not None else None
+    schedules, recompute, chunks = (as_choices(v) for v in (schedules, recompute, chunks if given_chunks else (2, 4)))
+    micro_batches = as_choices(micro_batches) if micro_batches is not None else None
     p = len(devs)
     names = list(model.layer_names)
     n = len(names)
@@ -308,7 +179,7 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
             smallest = c.peak_bytes
     fitting = [c for c in front if c.fits]
     plans = Plans(front, fitting[0] if fitting else None, cap, len(candidates), simulated,
-                  time.perf_counter() - start, pending, (link, cores))
+                  time.perf_counter() - start, pending, (link, cores), _predict)
     if plans.best is None:
         small = front[-1]
         raise NoPlanFits(f"no plan fits memory_cap={format_size(cap)} on {p} devices: the smallest footprint "
