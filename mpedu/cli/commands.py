@@ -9,15 +9,15 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.files import why
 from ..core.recompute import parse_recompute
+from ..core.single import SingleDevice
+from ..course.wording import plural
+from ..runtime.files import why
 from ..training.history import diverged
+from ..training.loop import CHECKPOINT_EVERY, train
+from ..training.recipes import RECIPES
 from .options import (add_training_options, apply_recipe, count, folder, join_dash_values, json_line, link_help,
                       parse_link, parse_memory_cap, positive_int, shorten)
-from ..training.recipes import RECIPES
-from ..core.single import SingleDevice
-from ..training.loop import CHECKPOINT_EVERY, train
-from ..course.wording import plural
 
 EXAMPLES = """\
 examples:
@@ -136,10 +136,10 @@ def build_runner(model, args):
             raise ValueError(f"--link {args.link.name} joins pipeline devices, and --devices 1 has no transfer; "
                              "use --devices 2 or more, or a --placement")
         return SingleDevice(model)
-    from ..runtime.devices import get_devices
     from ..core.pipeline import Pipeline
     from ..core.placement import Placement
     from ..predict.capacity import cap_memory
+    from ..runtime.devices import get_devices
     if args.placement is not None:
         placement = Placement.parse(args.placement, model)
     else:
@@ -250,8 +250,8 @@ def _link_estimate(args, corpus, runner) -> str:
 
 def _train_in(args, corpus, recipe) -> int:
     """Build the model and runner, train, write the timeline and the summary (--out is locked)."""
-    from ..runtime.files import WriteFailed
     from ..lm.model import LSTMLM
+    from ..runtime.files import WriteFailed
     torch.manual_seed(args.seed)
     model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab))
     try:

@@ -6,11 +6,10 @@ import argparse
 import json
 import math
 
-from ..runtime.link import LINKS, Link, format_bandwidth, format_seconds
 from ..lm.model import CONFIGS
-from ..training.recipes import CONFIG, recipe_for
+from ..runtime.link import LINKS, Link, format_bandwidth, format_seconds
 from ..runtime.values import shorten
-
+from ..training.recipes import CONFIG, recipe_for
 
 # ---------------------------------------------------------------- the command lines
 

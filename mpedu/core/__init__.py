@@ -1,7 +1,8 @@
 """The pipeline itself: schedules as data, placements and stages, the mailbox between workers, the
 runners (SingleDevice, Pipeline) and the Timeline a step records. Read reference.py first: the
 whole idea on one page. Imports runtime, pictures and lm."""
-from .mailbox import Aborted, Mailbox, POLL_NAP_S
+from . import mailbox, schedules
+from .mailbox import POLL_NAP_S, Aborted, Mailbox
 from .pipeline import Pipeline
 from .placement import Placement
 from .recompute import parse_recompute, recompute_modes, recomputes
@@ -11,7 +12,6 @@ from .schedules import Action, B, F, Schedule, ScheduleError, W, make, one_f_one
 from .single import SingleDevice
 from .stage import Stage, is_recurrent
 from .timeline import ALL_REDUCE, Event, Mark, Timeline, plot_timelines
-from . import mailbox, schedules
 
 __all__ = [
     "Aborted", "Action", "ALL_REDUCE", "B", "BaseRunner", "Event", "F", "Mailbox", "Mark", "Pipeline",

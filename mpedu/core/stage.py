@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..lm import dropout
-from ..runtime.devices import Device
 from ..lm.model import nll_sum
+from ..runtime.devices import Device
 
 # A stage's contract with its neighbours, per micro-batch i and time chunk c:
 #   forward(i, c, x)          x: (T, b) token ids on stage 0, else (T, b, H) floats

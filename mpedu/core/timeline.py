@@ -232,7 +232,7 @@ class Timeline:
 
         Returns the matplotlib Axes (its `.figure` displays in Jupyter). `xlim` is in `time_unit`.
         """
-        from ..pictures.plot import plot_timeline   # matplotlib only when a picture is asked for
+        from ..pictures.plot import plot_timeline  # matplotlib only when a picture is asked for
         return plot_timeline(self, ax, title=title, time_unit=time_unit, show_transfers=show_transfers,
                              xlim=xlim)
 

@@ -2,8 +2,8 @@
 imported only when asked for), claims judged from measurements, baselines, the explorer's words
 and refusals. Imports the layers below (runtime ... training)."""
 from .baselines import Baselines, measure_baselines
-from .claims import (NEEDS_CORES, NEIGHBOURS, SLOW_LINK, Verdict, compare, free_cores, in_turn,
-    measure_placements, within)
+from .claims import (NEEDS_CORES, NEIGHBOURS, SLOW_LINK, Verdict, compare, free_cores, in_turn, measure_placements,
+                     within)
 from .refusals import Refusal, check, dealt
 from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, far_from_prediction, link_label, sequences
 

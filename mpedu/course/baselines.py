@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.devices import usable_cores
 from ..core.pipeline import Pipeline
 from ..core.placement import Placement
 from ..core.runner import fit_width
-from .wording import plural
 from ..core.single import SingleDevice
+from ..runtime.devices import usable_cores
+from .wording import plural
 
 ROUNDS = 3
 

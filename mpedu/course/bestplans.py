@@ -9,9 +9,9 @@ import threading
 import ipywidgets as w
 
 from ..predict.costcurve import CostCurve
-from ..runtime.values import SIZE_UNITS, format_size, parse_size
 from ..predict.planner import plan, search_shapes
 from ..predict.plans import NoPlanFits, PlanStopped
+from ..runtime.values import SIZE_UNITS, format_size, parse_size
 from .wording import RECOMPUTE, SCHEDULES
 
 ROWS = 4            # plans that fit, fastest first

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+
 # What a timing claim about two virtual devices needs: nearly two cores' worth of work at once.
 NEEDS_CORES = 1.8
 
@@ -64,7 +65,7 @@ def free_cores(n: int = 2, **kwargs) -> float:
 def _fmt(value: float, unit: str) -> str:
     if unit == "s":
         return f"{value * 1e3:.1f} ms"
-    if unit == "bytes":
+    if unit == "bytes":      # fixed decimals, not format_size's 3 digits: two measures side by side line up
         return f"{value / 1e6:.2f} MB"
     if unit == "x":
         return f"{value:.2f}x"

@@ -8,18 +8,19 @@ import threading
 
 import ipywidgets as w
 
-from .bestplans import BestPlans
-from .explorer_run import RealSteps, error_html as _error
-from .board import LayerBoard
+from ..core.placement import Placement
 from ..predict.costcurve import CostCurve
-from ..runtime.devices import get_device, get_devices
 from ..predict.footprint import device_footprints
+from ..predict.profiling import profile
+from ..predict.simulator import simulate
+from ..runtime.devices import get_device, get_devices
 from ..runtime.link import LINKS
 from ..runtime.streams import chunk_bounds
-from ..core.placement import Placement
-from ..predict.profiling import profile
+from .bestplans import BestPlans
+from .board import LayerBoard
+from .explorer_run import RealSteps
+from .explorer_run import error_html as _error
 from .refusals import check
-from ..predict.simulator import simulate
 from .timeline_view import TimelineView
 from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, link_label, plural, sequences
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
 from ..core.schedules import Schedule, ScheduleError, from_option, make
-from ..core.schedules import read as read_schedule      # mpedu.distributed.read_schedule: a hand-written schedule
+from ..core.schedules import read as read_schedule  # mpedu.distributed.read_schedule: a hand-written schedule
 
 RUNTIME = _PipelineScheduleRuntime
 

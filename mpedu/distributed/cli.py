@@ -7,12 +7,12 @@ import sys
 
 import torch.distributed as dist
 
-from .heartbeat import LIMIT as HEARTBEAT
-from ..lm.model import CONFIGS
 from ..cli.options import (add_training_options, count, folder, join_dash_values, non_negative_float, positive_int,
-                       shorten)
+                           shorten)
+from ..lm.model import CONFIGS
 from ..training.recipes import TORCHRUN_CONFIG
 from .group import TIMEOUT, stop_heartbeat
+from .heartbeat import LIMIT as HEARTBEAT
 
 EXAMPLES = """\
 examples (one machine, processes on the CPU; gloo):

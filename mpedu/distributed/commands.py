@@ -12,18 +12,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..training.checkpoint import save_model
-from ..runtime.files import OutFolderError, OutLock, prepare_out
-from ..training.history import diverged
 from ..cli.options import apply_recipe, json_line
 from ..core.single import SingleDevice
+from ..runtime.files import OutFolderError, OutLock, prepare_out
+from ..training.checkpoint import save_model
+from ..training.history import diverged
 from ..training.loop import train as fit
 from .bridge import resolve, schedule_arg
 from .cli import pipeline_devices
 from .group import setup
 from .pipeline import DistributedPipeline
 from .placement import rank_placement
-
 
 # what each rank may choose for itself: where it writes and reads (paths differ between machines; the data and a
 # schedule file are compared by content), what it prints, how long it waits

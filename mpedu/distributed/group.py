@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .heartbeat import LIMIT as HEARTBEAT, Heartbeat
+from .heartbeat import LIMIT as HEARTBEAT
+from .heartbeat import Heartbeat
 
 TIMEOUT = 600                       # seconds a rank waits for a peer before giving up
 

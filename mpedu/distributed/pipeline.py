@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..training.faults import Fault, all_finite, first_of
-from ..lm.model import nll_sum
 from ..core.placement import Placement
 from ..core.runner import BaseRunner, StepResult, fit_width
 from ..core.schedules import Schedule
 from ..core.timeline import ALL_REDUCE
 from ..lm import dropout
+from ..lm.model import nll_sum
+from ..training.faults import Fault, all_finite, first_of
 from .bridge import RUNTIME, ActionListSchedule, resolve
 from .group import mesh as make_mesh
 from .native import plan_schedule

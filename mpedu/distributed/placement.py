@@ -1,8 +1,8 @@
 """Placements over ranks: the k-th distinct device label of a placement is pipeline rank k."""
 from __future__ import annotations
 
-from ..runtime.devices import Device
 from ..core.placement import Placement, read_groups
+from ..runtime.devices import Device
 
 
 def rank_placement(model, placement: str | Placement | None, world_size: int) -> Placement:

@@ -11,10 +11,9 @@ import torch
 from torch import nn
 from torch.distributed import pipelining as pp
 
+from ..core.stage import is_recurrent
 from ..lm import dropout
 from ..lm.model import Decode, Embed, LSTMLayer
-from ..core.stage import is_recurrent
-
 
 
 class ContiguousGrad(torch.autograd.Function):

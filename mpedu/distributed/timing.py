@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..runtime.clock import Clock
 from ..core.timeline import ALL_REDUCE, Event, Timeline
+from ..runtime.clock import Clock
 
 __all__ = ["ALL_REDUCE", "Recorder", "merge", "shared_origin"]
 

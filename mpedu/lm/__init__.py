@@ -1,10 +1,10 @@
 """The language model and its data: LSTMLM as named layers, positional dropout, the corpus reader,
 the embedded synthetic corpus, and bucketed (T, B) batches. Imports runtime."""
-from .bucketing import Batch, BucketIterator, StreamIterator, default_buckets, padding_fraction
-from .data import Corpus, CorpusError, EOS, PAD, UNK, Vocabulary, load_corpus, read_sentences
-from .dropout import Position, PositionalDropout, keep_mask
-from .model import CONFIGS, LMConfig, LSTMLM, detach_state, nll_sum
 from . import dropout, synthetic
+from .bucketing import Batch, BucketIterator, StreamIterator, default_buckets, padding_fraction
+from .data import EOS, PAD, UNK, Corpus, CorpusError, Vocabulary, load_corpus, read_sentences
+from .dropout import Position, PositionalDropout, keep_mask
+from .model import CONFIGS, LSTMLM, LMConfig, detach_state, nll_sum
 
 __all__ = [
     "Batch", "BucketIterator", "CONFIGS", "Corpus", "CorpusError", "EOS", "LMConfig", "LSTMLM", "PAD",

@@ -11,8 +11,8 @@ from typing import Iterable
 
 import torch
 
-from . import synthetic
 from ..runtime.values import check_number
+from . import synthetic
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 SPECIALS = (PAD, UNK, EOS)

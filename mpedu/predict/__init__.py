@@ -1,5 +1,6 @@
 """Predictions before running: per-layer profiles and cost curves, the simulator, the memory model and
 the memory cap, partitioning, bounds and the planner. Imports the layers below (runtime ... core)."""
+from . import planner
 from .bounds import held_units, memory_floor, time_bound
 from .calibration import fit_link
 from .capacity import MemoryCapError, MemoryGuard, cap_memory, memory_estimate
@@ -14,7 +15,6 @@ from .plans import Candidate, PlanStopped
 from .profiling import Costs, StageCost, profile
 from .ranking import Measurement, kendall_tau, measure, tau_apart, told_apart
 from .simulator import peak_in_flight, predict_epoch, simulate
-from . import planner
 
 __all__ = [
     "Candidate", "CostCurve", "Costs", "DeviceMemory", "GPUSpec", "Measurement", "MemoryCapError", "MemoryGuard",

@@ -6,18 +6,18 @@ import weakref
 
 import torch
 
-from ..lm import dropout
 from ..core import schedules
-from .partition import min_max_split
-from ..runtime.devices import Device, get_device, list_devices
-from ..runtime.values import format_size, parse_size
+from ..core.placement import Placement
 from ..core.recompute import recompute_modes
 from ..core.runner import check_batch
+from ..core.schedules import Action, Schedule
+from ..lm import dropout
+from ..runtime.devices import Device, get_device, list_devices
+from ..runtime.values import format_size, parse_size
 from .footprint import Footprint, device_footprints, param_sizes, stage_footprint
 from .memory import GPU_LEAVES_OUT, measured_peak
-from ..core.placement import Placement
+from .partition import min_max_split
 from .profiling import Costs
-from ..core.schedules import Action, Schedule
 
 
 class MemoryCapError(ValueError):

@@ -8,9 +8,9 @@ import time
 
 import torch
 
+from ..lm.model import nll_sum
 from ..runtime.devices import get_device
 from ..runtime.workers import Worker, own_cores, result_of
-from ..lm.model import nll_sum
 
 
 def measure_cores(n: int = 2, repeats: int = 5, model=None, batch=None, steps: int = 4) -> float:

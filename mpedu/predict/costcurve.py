@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..lm.bucketing import Batch
-from .profiling import TIME_FIELDS, Costs, profile
 from ..runtime.streams import chunk_bounds
+from .profiling import TIME_FIELDS, Costs, profile
 
 _BYTES = ("activation_bytes", "output_bytes", "shared_bytes", "input_saved_bytes")
 

@@ -7,6 +7,7 @@ from typing import Callable, Mapping
 from ..core.recompute import recompute_modes, recomputes
 from ..runtime.values import format_size
 
+
 @dataclass
 class Footprint:
     """Bytes one device holds for a training step. Activations change during the step; this is their peak."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.values import SIZE_UNITS
 from .footprint import device_footprints, param_sizes, unique_params
 from .profiling import Costs
 
@@ -212,10 +213,8 @@ def _probe(optimizer, group, n: int = 64) -> int:
 
 
 def _unit(largest: float) -> tuple[str, float]:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if largest >= scale:
-            return unit, scale
-    return "bytes", 1.0
+    """The unit format_size would write `largest` in, for a plot's axis."""
+    return next((unit, scale) for unit, scale in SIZE_UNITS.items() if largest >= scale or unit == "bytes")
 
 
 def _new_axes(width: float):

@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..core import schedules
-from ..runtime.devices import get_device, get_devices
-from ..runtime.values import parse_size
-from ..core.recompute import recompute_modes
-from .footprint import stage_footprint
 from ..core.placement import Placement
+from ..core.recompute import recompute_modes
+from ..runtime.devices import get_device, get_devices
+from ..runtime.values import format_size, parse_size
+from .footprint import stage_footprint
 from .profiling import Costs, profile
 
 
@@ -122,8 +122,9 @@ def _starts(counts):
     return out
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / 1e6:.3g} MB" if nbytes >= 1e5 else f"{nbytes:g}"
+def _size(amount: float) -> str:
+    """balance() takes memory in any unit: a small amount is shown as given, a large one as bytes."""
+    return format_size(amount) if amount >= 1e5 else f"{amount:g}"
 
 
 def to_placement(model, counts: Sequence[int], devices) -> Placement:

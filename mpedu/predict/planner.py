@@ -27,19 +27,19 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from .bounds import held_units, memory_floor, time_bound
-from .plans import Candidate, NoPlanFits, Plans, PlanStopped, as_choices
-from .costcurve import CostCurve, profile_curve
-from ..runtime.devices import device_list
-from ..runtime.values import format_size, parse_size
-from .footprint import device_footprints
-from ..core.recompute import check_mode
-from ..runtime.values import check_number
 from ..core.placement import Placement
-from .profiling import Costs, StageCost
-from ..core.schedules import Schedule, make as make_schedule
-from .simulator import simulate
+from ..core.recompute import check_mode
+from ..core.schedules import Schedule
+from ..core.schedules import make as make_schedule
+from ..runtime.devices import device_list
 from ..runtime.streams import chunk_bounds
+from ..runtime.values import check_number, format_size, parse_size
+from .bounds import held_units, memory_floor, time_bound
+from .costcurve import CostCurve, profile_curve
+from .footprint import device_footprints
+from .plans import Candidate, NoPlanFits, Plans, PlanStopped, as_choices
+from .profiling import Costs, StageCost
+from .simulator import simulate
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1", "wavefront")
 RECOMPUTE = (None, "all", "all-but-last")

@@ -8,14 +8,14 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from ..lm import dropout
-from ..runtime.devices import get_device
-from ..runtime.workers import Worker, result_of
-from .footprint import param_sizes
-from ..lm.model import nll_sum
-from ..runtime.values import check_number
 from ..core.runner import check_batch
 from ..core.stage import count_saved, is_recurrent
+from ..lm import dropout
+from ..lm.model import nll_sum
+from ..runtime.devices import get_device
+from ..runtime.values import check_number
+from ..runtime.workers import Worker, result_of
+from .footprint import param_sizes
 
 # the fields of StageCost and Costs that are seconds (CostCurve scales them with the shape)
 TIME_FIELDS = ("forward", "backward", "backward_input", "backward_weight")

@@ -6,11 +6,11 @@ from typing import Mapping, Sequence
 
 from ..core import schedules
 from ..core.recompute import recompute_modes, recomputes
-from .footprint import output_grad_bytes, peak_held, unit_bytes
-from ..runtime.link import Channel, Link
-from .profiling import Costs, StageCost
 from ..core.schedules import Schedule
 from ..core.timeline import Event, Timeline
+from ..runtime.link import Channel, Link
+from .footprint import output_grad_bytes, peak_held, unit_bytes
+from .profiling import Costs, StageCost
 
 
 def simulate(schedule, costs, placement=None, *, micro_batches: int | None = None, chunks: int | None = None,

@@ -1,16 +1,16 @@
 """The floor: devices (a real GPU, or a virtual one that is a CPU worker thread) and their workers,
 GPU streams, the step clock, the emulated link, the --out folder's files, and the checks of values
 people give. Imports nothing else of mpedu."""
+from . import allocator, streams
 from .allocator import keep_freed_memory
 from .clock import Clock
 from .devices import Device, describe_devices, get_device, get_devices, list_devices, usable_cores, virtual_count
 from .files import LOCK_NAME, OutFolderError, OutLock, atomic_write, prepare_out, why
-from .link import Channel, Link, LINKS
+from .link import LINKS, Channel, Link
 from .streams import MicroBatches, chunk_bounds
 from .values import check_number, format_size, parse_size, shorten
 from .workers import (PR_GET_TIMERSLACK, CallerThread, Worker, own_cores, start_workers, stop_workers,
                       wait_interruptibly, wait_uninterrupted)
-from . import allocator, streams
 
 __all__ = [
     "CallerThread", "Channel", "Clock", "Device", "Link", "LINKS", "LOCK_NAME", "MicroBatches",

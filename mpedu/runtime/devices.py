@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 @dataclass(frozen=True)
 class Device:
     """A place where a stage runs.

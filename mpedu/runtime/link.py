@@ -6,7 +6,6 @@ import re
 from dataclasses import dataclass
 from numbers import Real
 
-
 INF = float("inf")
 
 

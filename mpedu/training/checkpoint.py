@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..lm.model import CONFIGS, LSTMLM, LMConfig
 from ..runtime.files import atomic_write, temp_prefix
-from ..lm.model import CONFIGS, LMConfig, LSTMLM
 from ..runtime.values import shorten
 
 CHECKPOINT_FORMAT = "mpedu-checkpoint-1"

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numbers
 from pathlib import Path
 
+from ..core.runner import check_carried
+from ..runtime.values import check_number
 from .checkpoint import CheckpointError, load_checkpoint, set_rng_state
 from .faults import all_finite
 from .history import History
-from ..runtime.values import check_number
-from ..core.runner import check_carried
 
 # what every epoch record of a History holds (and summary() reads)
 EPOCH_KEYS = ("epoch", "lr", "train_ppl", "valid_ppl", "tokens_per_s", "seconds", "tokens", "steps", "train_seconds")
