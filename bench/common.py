@@ -55,7 +55,7 @@ def machine() -> dict:
 
 def pinned_workers(names) -> list:
     """One mpedu Worker per virtual device in `names`, each pinned to a core of its own as a Pipeline pins its
-    workers (mpedu.runtime.devices.own_cores), or unpinned where it cannot be (macOS, more devices than cores)."""
+    workers (mpedu.runtime.workers.own_cores), or unpinned where it cannot be (macOS, more devices than cores)."""
     from mpedu.runtime import Worker, get_device, own_cores
     devices = [get_device(n) for n in names]
     cores = own_cores(devices)
