@@ -18,85 +18,99 @@ from ..runtime.streams import copies_for
 from .mailbox import Aborted
 from .recompute import recomputes
 from .schedules import Action
-from .timeline import Mark
+from .timeline import Mark, new_mark
 
 
 class DeviceStep:
-    """What device `d` does in one step: `run()` plays `row`, a list of Actions, on the pipeline's stages."""
+    """What device `d` does in one step: `run()` plays `row`, a list of Actions, on the pipeline's stages.
+
+    On the step's critical path: each action costs a few microseconds of Python here, so what a method
+    reads often is bound once (self.note, self.mark, the input slicers) rather than looked up each time."""
 
     def __init__(self, pipe, d: int, row, micro, scale: float, train: bool, mailbox, timeline, t0: float,
                  key, plan):
         self.device = pipe.devices[d]
         self.stages, self.last = pipe.stages, len(pipe.stages) - 1
-        self.row, self.micro, self.scale, self.train = row, micro, scale, train
-        self.mailbox, self.timeline, self.t0, self.key, self.plan = mailbox, timeline, t0, key, plan
+        self.row, self.scale, self.train = row, scale, train
+        self.mailbox, self.timeline, self.t0, self.key = mailbox, timeline, t0, key
+        self.micro_batch, self.chunk_starts = plan.micro_batch, [lo for lo, _ in plan.chunk_bounds]
         self.split = pipe.schedule.split_backward       # stages whose backward leaves W for later
-        self.recompute, self.micro_batches = pipe.recompute, pipe.micro_batches
+        # per stage: whether micro-batch i re-runs its forward in the backward (activation recomputation)
+        self.again = [[train and recomputes(mode, i, pipe.micro_batches) for i in range(pipe.micro_batches)]
+                      for mode in pipe.recompute]
         self.copies = copies_for(self.device.torch_device, [s.device.torch_device for s in pipe.stages])
+        self.inputs = self.copies.loader(micro.inputs)      # (t, b) slices of the batch, where this device reads
+        self.targets = self.copies.loader(micro.targets)
         self.marks: list[Mark] = []
+        self.note = self.marks.append
 
     def run(self) -> None:
-        self.clock = Clock(self.device, self.t0)     # made on the worker's thread (a GPU times on its stream)
-        play = {"F": self.forward, "B": self.backward, "W": self.weight}
+        clock = self.clock = Clock(self.device, self.t0)   # made on the worker's thread (a GPU times on its stream)
+        self.mark = clock.mark
+        forward, backward, weight, mailbox = self.forward, self.backward, self.weight, self.mailbox
         try:
             for a in self.row:
-                if self.mailbox.aborted:
+                if mailbox.aborted:
                     raise Aborted
-                play[a.kind](a)
-            self.mailbox.finished()   # this device sends nothing more (a receive that waits for it never ends)
+                kind = a.kind
+                forward(a) if kind == "F" else backward(a) if kind == "B" else weight(a)
+            mailbox.finished()   # this device sends nothing more (a receive that waits for it never ends)
         finally:
             self.copies.finish()
             # the events are made when someone reads the timeline, not on the step's critical path
-            device, clock, marks = self.device.name, self.clock, self.marks
-            self.timeline.add_later(lambda: [mark.event(device, clock) for mark in marks])
+            device, marks = self.device.name, self.marks
+            self.timeline.add_later(lambda: [m.event(device, clock) for m in marks])
 
     def forward(self, a) -> None:
-        stage, copies = self.stages[a.stage], self.copies
-        # (t, b) slices of the batch (see MicroBatches), or the activation stage s-1 sent
-        x = copies.load(self.micro.inputs(a.mb, a.chunk)) if a.stage == 0 else self.receive("act", a)
-        targets = copies.load(self.micro.targets(a.mb, a.chunk)) if a.stage == self.last else None
-        # dropout draws at the slice's first batch column and time step
-        where = self.key and self.key.at(a.mb * self.plan.micro_batch, self.plan.chunk_bounds[a.chunk][0])
-        again = self.train and recomputes(self.recompute[a.stage], a.mb, self.micro_batches)
-        start = self.clock.mark()
-        out = stage.forward(a.mb, a.chunk, x, targets, self.scale, train=self.train, where=where, recompute=again)
-        self.marks.append(Mark("F", a.stage, a, start, self.clock.mark(), memory=stage.saved_bytes(a.mb, a.chunk)))
-        if a.stage < self.last:
-            self.send(out, "act", a.stage + 1, a)
+        s, mb, chunk = a.stage, a.mb, a.chunk
+        stage, mark = self.stages[s], self.mark
+        x = self.inputs(mb, chunk) if s == 0 else self.receive("act", a)     # or what stage s-1 sent
+        targets = self.targets(mb, chunk) if s == self.last else None
+        # dropout draws at the slice's first batch column and time step (no key: evaluation, no dropout)
+        where = self.key and self.key.at(mb * self.micro_batch, self.chunk_starts[chunk])
+        start = mark()
+        out = stage.forward(mb, chunk, x, targets, self.scale, train=self.train, where=where,
+                            recompute=self.again[s][mb])
+        held = stage.saved_bytes(mb, chunk)        # counted inside the box, as a step has always timed it
+        self.note(new_mark(("F", s, a, start, mark(), 0, "", held)))
+        if s < self.last:
+            self.send(out, "act", s + 1, a)
 
     def backward(self, a) -> None:
-        stage, clock = self.stages[a.stage], self.clock
-        grad = self.receive("grad", a) if a.stage < self.last else None     # the last stage's comes from its loss
-        if stage.recomputes(a.mb, a.chunk):
+        s, mb, chunk = a.stage, a.mb, a.chunk
+        stage, mark = self.stages[s], self.mark
+        grad = self.receive("grad", a) if s < self.last else None     # the last stage's comes from its loss
+        if stage.recomputes(mb, chunk):
             # R: the forward again, now keeping what backward needs (its own box)
-            start = clock.mark()
-            grown = stage.recompute_forward(a.mb, a.chunk)
-            self.marks.append(Mark("R", a.stage, a, start, clock.mark(), memory=grown))
-        held = stage.saved_bytes(a.mb, a.chunk)
-        start = clock.mark()
-        grad_in = stage.backward(a.mb, a.chunk, grad, weights=a.stage not in self.split)
+            start = mark()
+            grown = stage.recompute_forward(mb, chunk)
+            self.note(new_mark(("R", s, a, start, mark(), 0, "", grown)))
+        held = stage.saved_bytes(mb, chunk)
+        start = mark()
+        grad_in = stage.backward(mb, chunk, grad, weights=s not in self.split)
         # freed (fused), or kept for W with the output's gradient besides (split)
-        self.marks.append(Mark("B", a.stage, a, start, clock.mark(), memory=stage.saved_bytes(a.mb, a.chunk) - held))
-        if a.stage > 0:
-            self.send(grad_in, "grad", a.stage - 1, a)
+        self.note(new_mark(("B", s, a, start, mark(), 0, "", stage.saved_bytes(mb, chunk) - held)))
+        if s > 0:
+            self.send(grad_in, "grad", s - 1, a)
 
     def weight(self, a) -> None:
-        stage = self.stages[a.stage]
+        stage, mark = self.stages[a.stage], self.mark
         held = stage.saved_bytes(a.mb, a.chunk)
-        start = self.clock.mark()
+        start = mark()
         stage.backward_weight(a.mb, a.chunk)
-        self.marks.append(Mark("W", a.stage, a, start, self.clock.mark(), memory=-held))
+        self.note(new_mark(("W", a.stage, a, start, mark(), 0, "", -held)))
 
     def send(self, tensor: torch.Tensor, kind: str, dst: int, a) -> None:
         """Hand `tensor` from a's stage to stage `dst` (always on another device). The receiver detaches
         it (Stage.forward); a gradient has no graph."""
-        start = self.clock.mark()
+        mark = self.mark
+        start = mark()
         moved = self.copies.send(tensor, dst)      # on virtual devices: the tensor itself, shared memory
-        end = self.clock.mark()
+        end = mark()
         peer, nbytes = self.stages[dst].device.name, tensor.numel() * tensor.element_size()
         # on an emulated link (virtual devices only) the send lasts until the tensor lands
         landing = self.mailbox.put((kind, dst, a.mb, a.chunk), moved, (self.device.name, peer), nbytes)
-        self.marks.append(Mark("send", a.stage, a, start, end if landing is None else landing, nbytes, peer))
+        self.note(new_mark(("send", a.stage, a, start, end if landing is None else landing, nbytes, peer, 0)))
 
     def receive(self, kind: str, a) -> torch.Tensor:
         moved, ready = self.mailbox.get((kind, a.stage, a.mb, a.chunk), (self.device.name, a))

@@ -75,9 +75,9 @@ class HostCopies:
     (virtual devices): nothing to copy and nothing to wait for, so each call gives back what it got.
     DeviceCopies does the same with GPUs; the worker's loop calls these and never asks which it has."""
 
-    def load(self, x: torch.Tensor) -> torch.Tensor:
-        """A host tensor (a slice of the batch) where this device computes."""
-        return x
+    def loader(self, read):
+        """`read(mb, chunk)` (a slice of the batch on the host) made to give it where this device computes."""
+        return read
 
     def send(self, tensor: torch.Tensor, dst: int):
         """(tensor as the receiver will read it, an event it must wait for or None)."""
@@ -98,8 +98,9 @@ class DeviceCopies(HostCopies):
     def __init__(self, here: torch.device, homes: list[torch.device]):
         self.here, self.homes = here, homes
 
-    def load(self, x):
-        return x.to(self.here, non_blocking=True)
+    def loader(self, read):
+        here = self.here
+        return lambda mb, chunk: read(mb, chunk).to(here, non_blocking=True)
 
     def send(self, tensor, dst: int):
         home = self.homes[dst]
