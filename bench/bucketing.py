@@ -43,7 +43,7 @@ def trimmed(batches):
 def run(corpus, config: str, n_batches: int) -> list[dict]:
     torch.manual_seed(0)
     model = LSTMLM.from_config(config, vocab_size=len(corpus.vocab))
-    longest = max(len(s) for s in corpus.train)
+    longest = int(corpus.train.lengths().max())
     ways = {
         "buckets": BucketIterator(corpus.train, B, shuffle=True, seed=0, drop_last=True),
         "batch longest": trimmed(BucketIterator(corpus.train, B, [longest], shuffle=True, seed=0, drop_last=True)),

@@ -162,7 +162,7 @@ def neighbours(model, batch, costs, rounds: int) -> list:
 
 def buckets(model, corpus, rounds: int, n: int = 4) -> list:
     """Notebook 05: buckets train faster per real token than padding each batch to its longest sentence."""
-    longest = max(len(s) for s in corpus.train)
+    longest = int(corpus.train.lengths().max())
     bucketed = [b for b, _ in zip(mpedu.BucketIterator(corpus.train, 32, seed=0, drop_last=True), range(n))]
     padded = []
     for b, _ in zip(mpedu.BucketIterator(corpus.train, 32, buckets=[longest], seed=0, drop_last=True), range(n)):

@@ -24,7 +24,7 @@ def test_train_refuses_a_runner_built_on_another_model_or_no_runner_at_all(corpu
             train(model, corpus, runner=pipe, epochs=1, limit_batches=1, log=lambda *a: None, progress=False)
     with pytest.raises(TypeError, match="runner='gpipe' is not a runner"):
         train(model, corpus, runner="gpipe", epochs=1, progress=False)
-    with pytest.raises(TypeError, match="train needs a Corpus .* got list"):
+    with pytest.raises(TypeError, match="train needs a Corpus .* got Sentences.*not one split"):
         train(model, corpus.train, epochs=1, progress=False)
 
 

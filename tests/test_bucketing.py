@@ -210,7 +210,7 @@ def test_stream_reads_every_token_once_in_order(corpus):
     # Stream j, read window after window, is the j-th piece of the corpus: together, the corpus once.
     stream_targets = torch.cat([b.targets for b in batches])  # (n, B)
     stream_inputs = torch.cat([b.inputs for b in batches])
-    flat = torch.cat(corpus.valid)
+    flat = corpus.valid.cat()
     mask = stream_targets != 0
     assert torch.equal(stream_targets.t()[mask.t()], flat)
     assert torch.equal(stream_inputs.t()[mask.t()], torch.cat([torch.tensor([EOS_ID]), flat[:-1]]))

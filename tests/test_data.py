@@ -200,7 +200,7 @@ def test_ptb_vocabulary(ptb):
     assert len(ptb.vocab) <= 10_000 + 3
     assert ptb.vocab.stoi["the"] == 3  # the most frequent word
     assert "<unk>" not in ptb.vocab.itos[3:] and "N" in ptb.vocab.stoi
-    unk = torch.cat(ptb.test).eq(ptb.vocab.unk_id).float().mean().item()
+    unk = ptb.test.cat().eq(ptb.vocab.unk_id).float().mean().item()
     assert 0.03 < unk < 0.15, f"<unk> rate on test {unk:.1%}"  # PTB's own <unk> plus words unseen in valid
     assert 200 < ptb.unigram_perplexity("test") < 1_500
 

@@ -170,7 +170,7 @@ def run_train(args) -> int:
     if args.micro_batches > args.batch_size:
         return _error(f"--micro-batches {args.micro_batches} is more than --batch-size {args.batch_size}: each "
                       f"micro-batch needs at least one sentence; use at most {args.batch_size}")
-    longest = args.bptt or max(len(s) for s in corpus.train)
+    longest = args.bptt or int(corpus.train.lengths().max())
     if args.chunks > longest:
         return _error(f"--chunks {args.chunks} is more than the {longest} time steps of the longest "
                       f"{'window (--bptt)' if args.bptt else 'training sentence'}; use fewer chunks")

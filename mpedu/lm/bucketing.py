@@ -1,7 +1,6 @@
 """Time-major (T, B) batches with a mask: sentences grouped into length buckets, or one long stream."""
 from __future__ import annotations
 
-import bisect
 import math
 import numbers
 from dataclasses import dataclass
@@ -9,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .data import EOS_ID, PAD_ID
+from .reading import EOS_ID, PAD_ID
+from .sentences import Sentences
 
 
 @dataclass
@@ -130,34 +130,53 @@ def _check_positive(name: str, value) -> int:
     return int(value)
 
 
-def _check_sentences(sentences) -> None:
+def _as_sentences(sentences) -> Sentences:
+    """A split's Sentences as they are; a list of 1-D int64 tensors checked, then made one."""
     if hasattr(sentences, "train") and hasattr(sentences, "vocab"):
         raise TypeError("batch one split of the corpus, e.g. BucketIterator(corpus.train, batch_size), not the "
                         "whole corpus")
     if len(sentences) == 0:
         raise ValueError("no sentences to batch: the list is empty")
+    if isinstance(sentences, Sentences):
+        empty = np.flatnonzero(sentences.lengths() == 0)
+        if len(empty):
+            raise ValueError(f"sentence {int(empty[0])} is empty: each needs at least its <eos>")
+        return sentences
     for i, s in enumerate(sentences):
         if not isinstance(s, torch.Tensor) or s.dim() != 1 or len(s) == 0 or s.dtype != torch.int64:
             raise ValueError(f"sentence {i} must be a non-empty 1-D tensor of int64 token ids, got {s!r}")
+    return Sentences.from_tensors(sentences)
 
 
-def _pad_columns(seqs: list[torch.Tensor], T: int) -> torch.Tensor:
-    """(T, n): the sequences as columns, <pad> below each one's end."""
-    out = torch.nn.utils.rnn.pad_sequence(seqs, padding_value=PAD_ID)  # (longest, n), time-major
-    return torch.nn.functional.pad(out, (0, 0, 0, T - out.shape[0]), value=PAD_ID)
+def _pieces(sentences: Sentences, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every sentence cut into pieces of at most `cap` tokens, in corpus order: where each starts in the ids,
+    its length, and its first input (<eos> at a sentence's start, else the previous piece's last target).
+
+        sentence of 7, cap 3:   [a b c | d e f | g]   ->  starts s, s+3, s+6; lengths 3, 3, 1"""
+    offsets, lengths = sentences.offsets[:-1], sentences.lengths()
+    if len(lengths) == 0 or lengths.max() <= cap:                   # no sentence is cut: one piece each
+        return offsets, lengths.astype(np.int32), np.full(len(lengths), EOS_ID, dtype=np.int32)
+    count = -(-lengths // cap)                                      # pieces per sentence
+    before = np.repeat(np.cumsum(count) - count, count)             # the sentence's first piece's index
+    into = cap * (np.arange(int(count.sum())) - before)             # tokens of the sentence before the piece
+    starts = np.repeat(offsets, count) + into
+    piece_lengths = np.minimum(cap, np.repeat(lengths, count) - into).astype(np.int32)
+    first = np.full(len(starts), EOS_ID, dtype=np.int32)
+    later = into > 0
+    first[later] = sentences.ids[starts[later] - 1]
+    return starts, piece_lengths, first
 
 
-def _inputs_and_targets(pieces: list[tuple[torch.Tensor, int, int]], T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, n) inputs and targets of n pieces (sentence, start, length), one per column, <pad> below each end.
-    A piece's inputs are its targets one step later, after the token before it: <eos> at a sentence's start,
-    else the previous piece's last target. Built per bucket, not per sentence: a corpus has tens of thousands."""
-    targets = _pad_columns([s[start:start + n] for s, start, n in pieces], T)
-    inputs = torch.full_like(targets, PAD_ID)
-    inputs[0] = torch.tensor([EOS_ID if start == 0 else s[start - 1] for s, start, _ in pieces], dtype=targets.dtype)
-    inputs[1:] = targets[:-1]
-    lengths = torch.tensor([n for _, _, n in pieces])
-    inputs[torch.arange(T)[:, None] >= lengths[None, :]] = PAD_ID      # no input after a piece's last target
-    return inputs, targets
+def _inputs_and_targets(ids: np.ndarray, starts, lengths, first, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, n) int64 inputs and targets of n pieces, one per column, <pad> below each one's end. A piece's
+    inputs are its targets one step later, after the token before it (`first`)."""
+    t = np.arange(T)[:, None]
+    inside = t < lengths[None, :]                                   # (T, n)
+    targets = np.where(inside, ids[np.where(inside, starts[None, :] + t, 0)], PAD_ID).astype(np.int64)
+    inputs = np.empty_like(targets)
+    inputs[0], inputs[1:] = first, targets[:-1]
+    inputs[~inside] = PAD_ID                                        # no input after a piece's last target
+    return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 
 class BucketIterator:
@@ -173,9 +192,9 @@ class BucketIterator:
 
     def __init__(self, sentences, batch_size: int, buckets: list[int] | None = None, *,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False):
-        _check_sentences(sentences)
+        sentences = _as_sentences(sentences)
         self.batch_size = _check_positive("batch_size", batch_size)
-        self.lengths = [len(s) for s in sentences]
+        self.lengths = sentences.lengths()                       # (sentences,) int64
         if buckets is None:
             buckets = default_buckets(self.lengths)
         if isinstance(buckets, int):
@@ -188,48 +207,52 @@ class BucketIterator:
             raise ValueError(f"buckets {buckets} lists a length twice")
         self.buckets = sorted(buckets)
         self.shuffle, self.seed, self.drop_last, self.epoch = shuffle, seed, drop_last, 0
-
-        cap, pieces = self.buckets[-1], {b: [] for b in self.buckets}
-        self.split_sentences = 0
-        for s, length in zip(sentences, self.lengths):
-            self.split_sentences += length > cap
-            for start in range(0, length, cap):
-                n = min(cap, length - start)
-                bucket = self.buckets[bisect.bisect_left(self.buckets, n)]  # the smallest that holds n
-                pieces[bucket].append((s, start, n))
-        # One padded (b, n_b) tensor pair per bucket; a batch is a choice of columns.
-        self._data = {b: _inputs_and_targets(items, b) for b, items in pieces.items() if items}
+        self._ids = sentences.ids
+        self.split_sentences = int((self.lengths > self.buckets[-1]).sum())
+        # Each bucket's pieces as three arrays (where each starts in ids, its length, the input before it);
+        # a batch is a choice of pieces, made into tensors only when it is read.
+        starts, lengths, first = _pieces(sentences, self.buckets[-1])
+        bucket = np.searchsorted(self.buckets, lengths)          # the smallest bucket that holds each piece
+        self._pieces = {}
+        for k, b in enumerate(self.buckets):
+            chosen = np.flatnonzero(bucket == k)
+            if len(chosen):
+                self._pieces[b] = (starts[chosen], lengths[chosen], first[chosen])
         if drop_last and len(self) == 0:
             raise ValueError(f"drop_last=True leaves no batch: no bucket holds {self.batch_size} sentences; use a "
                              "smaller batch_size, fewer buckets, or drop_last=False")
+
+    @property
+    def used_buckets(self) -> list[int]:
+        """The buckets that hold at least one piece."""
+        return list(self._pieces)
 
     def set_epoch(self, epoch: int) -> None:
         """The shuffle depends only on (seed, epoch), so a run can be repeated or resumed."""
         self.epoch = epoch
 
-    def _plan(self) -> list[tuple[int, torch.Tensor]]:
+    def _plan(self) -> list[tuple[int, np.ndarray]]:
         """(bucket, column indices) of each batch of this epoch, in order."""
         rng = np.random.default_rng([self.seed, self.epoch])
         plan = []
-        for b, (x, _) in self._data.items():
-            n = x.shape[1]
+        for b, (starts, _, _) in self._pieces.items():
+            n = len(starts)
             order = rng.permutation(n) if self.shuffle else np.arange(n)
             stop = n - n % self.batch_size if self.drop_last else n
-            plan += [(b, torch.from_numpy(order[i:i + self.batch_size].copy()))
-                     for i in range(0, stop, self.batch_size)]
+            plan += [(b, order[i:i + self.batch_size]) for i in range(0, stop, self.batch_size)]
         if self.shuffle:  # mix the buckets, so consecutive batches have different lengths
             plan = [plan[i] for i in rng.permutation(len(plan))]
         return plan
 
     def __len__(self) -> int:
         per_bucket = math.floor if self.drop_last else math.ceil
-        return sum(per_bucket(x.shape[1] / self.batch_size) for x, _ in self._data.values())
+        return sum(per_bucket(len(starts) / self.batch_size) for starts, _, _ in self._pieces.values())
 
     def __iter__(self):
         for b, cols in self._plan():
-            x, y = self._data[b]
-            targets = y[:, cols]  # (T, B)
-            yield Batch(x[:, cols], targets, targets != PAD_ID, bucket=b, carry_state=False)
+            starts, lengths, first = (a[cols] for a in self._pieces[b])
+            inputs, targets = _inputs_and_targets(self._ids, starts, lengths, first, b)   # (T, B) each
+            yield Batch(inputs, targets, targets != PAD_ID, bucket=b, carry_state=False)
 
     def stats(self) -> BucketStats:
         batches, pieces, tokens, padded = dict.fromkeys(self.buckets, 0), dict.fromkeys(self.buckets, 0), 0, 0
@@ -256,27 +279,29 @@ class StreamIterator:
     """
 
     def __init__(self, sentences, batch_size: int, bptt: int):
-        _check_sentences(sentences)
+        sentences = _as_sentences(sentences)
         self.batch_size, self.bptt = _check_positive("batch_size", batch_size), _check_positive("bptt", bptt)
-        targets = torch.cat(list(sentences))  # (N,)
-        N = len(targets)
+        self._ids = sentences.ids[sentences.offsets[0]:sentences.offsets[-1]]   # (N,) the targets, in order
+        N = len(self._ids)
         if N < batch_size:
             raise ValueError(f"batch_size={batch_size} is more than the {N} tokens there are to cut into "
                              f"{batch_size} streams; use a smaller batch")
-        inputs = torch.cat([targets.new_tensor([EOS_ID]), targets[:-1]])
-        n = math.ceil(N / batch_size)  # stream length
-        pad = targets.new_full((n * batch_size - N,), PAD_ID)
-        self.inputs = torch.cat([inputs, pad]).view(batch_size, n).t().contiguous()    # (n, B): column b is stream b
-        self.targets = torch.cat([targets, pad]).view(batch_size, n).t().contiguous()  # (n, B)
+        self.steps = math.ceil(N / batch_size)   # stream length: stream b is tokens [b * steps, (b + 1) * steps)
 
     def set_epoch(self, epoch: int) -> None:
         """Nothing to do (no shuffle); here so that both iterators can be driven the same way."""
 
     def __len__(self) -> int:
-        return math.ceil(self.inputs.shape[0] / self.bptt)
+        return math.ceil(self.steps / self.bptt)
 
     def __iter__(self):
-        for t in range(0, self.inputs.shape[0], self.bptt):
-            targets = self.targets[t:t + self.bptt]  # (T, B), T = bptt except perhaps the last window
-            yield Batch(self.inputs[t:t + self.bptt], targets, targets != PAD_ID,
-                        bucket=self.bptt, carry_state=True)
+        N, B = len(self._ids), self.batch_size
+        for t in range(0, self.steps, self.bptt):
+            T = min(self.bptt, self.steps - t)                         # bptt, except perhaps the last window
+            at = np.arange(B)[None, :] * self.steps + t + np.arange(T)[:, None]   # (T, B) positions in ids
+            inside = at < N                                             # the end of the last stream is padding
+            targets = np.where(inside, self._ids[np.minimum(at, N - 1)], PAD_ID).astype(np.int64)
+            before = np.where(at > 0, self._ids[np.clip(at - 1, 0, N - 1)], EOS_ID)   # the corpus starts after <eos>
+            inputs = np.where(inside, before, PAD_ID).astype(np.int64)
+            targets = torch.from_numpy(targets)
+            yield Batch(torch.from_numpy(inputs), targets, targets != PAD_ID, bucket=self.bptt, carry_state=True)

@@ -1,9 +1,10 @@
-"""Token ids for train/valid/test: the Vocabulary, the Corpus, and the PTB-format reader."""
+"""Token ids for train/valid/test: the Vocabulary, the Corpus, and load_corpus (read once, then cached)."""
 from __future__ import annotations
 
 import math
 import os
-import re
+import sys
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,18 +12,16 @@ from typing import Iterable
 
 import torch
 
-from ..runtime.values import check_number
+from ..runtime.values import check_number, format_size
 from . import synthetic
+from .corpus_cache import CorpusCache, file_digest
+from .reading import (EOS_ID, MAX_LINE_TOKENS, PAD, PAD_ID, SPECIALS, UNK_ID, CorpusError, LineReader, _reserved,
+                      encode, renumber, vocab_order)
+from .sentences import Sentences
 
-PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
-SPECIALS = (PAD, UNK, EOS)
-PAD_ID, UNK_ID, EOS_ID = 0, 1, 2  # fixed in every vocabulary, so batching code needs no vocabulary
 SPLITS = ("train", "valid", "test")
 FILE_NAMES = tuple(f"ptb.{split}.txt" for split in SPLITS)
-
-
-class CorpusError(ValueError):
-    """A corpus file is missing, empty or malformed; the message names the file (and line)."""
+SHOW_PROGRESS_BYTES = 16 << 20      # load_corpus(progress=None) reports on corpora larger than this
 
 
 class CorpusNotFoundError(CorpusError, FileNotFoundError):
@@ -87,16 +86,25 @@ class Vocabulary:
 
 @dataclass
 class Corpus:
-    """Each sentence is a 1-D int64 tensor [w1, ..., wn, <eos>]; a model reads [<eos>, w1, ..., wn]."""
+    """Each split's sentences, [w1, ..., wn, <eos>] each (see Sentences); a model reads [<eos>, w1, ..., wn].
+
+    `cache` says where the ids came from: "built" (read, and cached beside the text), "read" (from that
+    cache), or None (read without a cache, or the embedded corpus)."""
 
     vocab: Vocabulary
-    train: list[torch.Tensor]
-    valid: list[torch.Tensor]
-    test: list[torch.Tensor]
+    train: Sentences
+    valid: Sentences
+    test: Sentences
     name: str
     blank_lines: dict[str, int] = field(default_factory=dict)  # skipped blank lines per split
+    cache: str | None = None
 
-    def sentences(self, split: str) -> list[torch.Tensor]:
+    def __post_init__(self):
+        for split in SPLITS:                    # a list of tensors is welcome too
+            if not isinstance(getattr(self, split), Sentences):
+                setattr(self, split, Sentences.from_tensors(getattr(self, split)))
+
+    def sentences(self, split: str) -> Sentences:
         """The sentences of "train", "valid" or "test"."""
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
@@ -104,129 +112,175 @@ class Corpus:
 
     def tokens(self, split: str) -> int:
         """Number of tokens in a split, each <eos> included: the number of predictions per epoch."""
-        return sum(len(s) for s in self.sentences(split))
+        return self.sentences(split).tokens
 
     def unigram_perplexity(self, split: str = "test") -> float:
         """Perplexity of the add-one smoothed train unigram distribution on `split`: the baseline to beat."""
         V = len(self.vocab)
-        counts = torch.bincount(torch.cat(self.train), minlength=V).double() + 1
+        counts = torch.bincount(self.train.cat(), minlength=V).double() + 1
         counts[self.vocab.pad_id] = 0  # <pad> is never a target
         logp = (counts / counts.sum()).log()
-        return math.exp(-logp[torch.cat(self.sentences(split))].mean().item())
+        return math.exp(-logp[self.sentences(split).cat()].mean().item())
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{s} {len(self.sentences(s)):,} sentences / {self.tokens(s):,} tokens" for s in SPLITS)
         return f"Corpus({self.name}: vocab {len(self.vocab):,}; {sizes})"
 
 
-MAX_LINE_TOKENS = 10_000     # a longer line is more likely a file without line ends than a sentence
-
-
-def _read(path: Path, max_line_tokens: int) -> tuple[list[list[str]], int]:
-    """Read one PTB-format file: (sentences, number of blank lines skipped)."""
-    sentences, blank = [], 0
-    lineno = 0                   # lines as an editor counts them: a bare CR ends one too
-    with open(path, "rb") as f:  # bytes, so that a bad byte can be reported with its line number
-        for raw in f:
-            lineno += 1
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CorpusError(f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} "
-                                  f"at column {e.start + 1}); the reader expects UTF-8 text") from None
-            if b"\0" in raw:        # valid UTF-8, but no text has them: UTF-16 or UTF-32 without a byte-order mark
-                raise CorpusError(f"{path}:{lineno}: holds NUL bytes (the first at column {raw.index(0) + 1}): a "
-                                  "UTF-16 or UTF-32 file? Save it as UTF-8 (e.g. iconv -f UTF-16LE -t UTF-8)")
-            # a file without line ends is one line: refused before the split, whose words as strings would
-            # take ~10x the file's size in memory only to be refused (a bare CR ends a line too)
-            if len(raw) > 16 * max_line_tokens:         # (shorter lines cost little to split)
-                parts = raw.split(b"\r") if b"\r" in raw else (raw,)     # (split copies: only if need be)
-                longest = max(_count_tokens(part) for part in parts)
-                if longest > max_line_tokens:
-                    raise _too_long(path, lineno, longest, max_line_tokens)
-            # a bare CR (old Mac line ends) ends a sentence too; a CRLF's CR goes with the newline
-            for k, part in enumerate(line.rstrip("\r\n").split("\r")):
-                lineno += k > 0
-                words = part.lstrip("\ufeff").split()  # a UTF-8 byte-order mark is not a word
-                if not words:
-                    blank += 1
-                    continue
-                if len(words) > max_line_tokens:
-                    raise _too_long(path, lineno, len(words), max_line_tokens)
-                if PAD in words:
-                    raise CorpusError(f"{path}:{lineno}: the token {PAD} is reserved for padding and may not "
-                                      f"appear in the text")
-                sentences.append(words)
-    if not sentences:
-        raise CorpusError(f"{path} contains no sentences ({blank} blank lines); "
-                          f"expected one whitespace-tokenised sentence per line")
-    return sentences, blank
-
-
-def _too_long(path, lineno: int, tokens: int, max_line_tokens: int) -> CorpusError:
-    return CorpusError(f"{path}:{lineno}: a line of {tokens:,} tokens is longer than max_line_tokens="
-                       f"{max_line_tokens:,}; the format is one sentence per line, so the file's line ends may be "
-                       "missing. If this is intended, pass a larger max_line_tokens to mpedu.load_corpus (the "
-                       f"command line reads at most {MAX_LINE_TOKENS:,} tokens per line)")
-
-
-def _count_tokens(raw: bytes) -> int:
-    """The whitespace-separated tokens of a line, counted without making them (ASCII whitespace: never more
-    than str.split finds)."""
-    return sum(1 for _ in _TOKEN.finditer(raw))
-
-
-_TOKEN = re.compile(rb"\S+")
-
-
 def read_sentences(path, max_line_tokens: int = MAX_LINE_TOKENS) -> list[list[str]]:
-    """Read a PTB-format file: one sentence per line, tokens separated by whitespace.
+    """Read a PTB-format file as word lists: one sentence per line, tokens separated by whitespace.
 
     Blank lines are skipped (see Corpus.blank_lines for the count); <eos> is not in the file."""
     path = Path(path)
     if not path.is_file():
         raise CorpusNotFoundError(f"no such corpus file: {path}")
-    return _read(path, max_line_tokens)[0]
+    sentences = []
+    for lineno, words in LineReader(path, max_line_tokens):
+        if PAD in words:
+            raise _reserved(path, lineno)
+        sentences.append(words)
+    return sentences
 
 
-_EMBEDDED: dict[int, dict] = {}  # seed -> generated sentences, so repeated load_corpus() calls are instant
+_EMBEDDED: dict[int, tuple] = {}  # seed -> (words, ids), so repeated load_corpus() calls are instant
 
 
-def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = MAX_LINE_TOKENS) -> Corpus:
+def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = MAX_LINE_TOKENS, cache: bool = True,
+                progress: bool | None = None) -> Corpus:
     """The embedded corpus (path=None, generated from `seed`) or a folder with ptb.{train,valid,test}.txt.
 
-    The vocabulary comes from the training split only; unseen valid/test words become <unk>."""
-    blank = dict.fromkeys(SPLITS, 0)
+    The vocabulary comes from the training split only; unseen valid/test words become <unk>. A folder is
+    read in one streaming pass into int32 ids and, with cache=True, cached in its .mpedu-cache folder (read
+    again only when a file changes; shared by every process that loads it). progress: report on stderr
+    while reading (None: for corpora over 16 MB)."""
     check_number("seed", seed, integer=True)
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path={path!r}: give a folder (a str or Path) holding {', '.join(FILE_NAMES)}, or None "
                         "for the embedded corpus")
     if path is None:
         if seed not in _EMBEDDED:
-            _EMBEDDED[seed] = synthetic.generate(seed)
-        words, name = _EMBEDDED[seed], f"embedded(seed={seed})"
-    else:
-        folder = Path(path)
-        expected = ", ".join(FILE_NAMES)
-        if folder.is_file():
-            hint = f" (perhaps its folder, {folder.parent})" if folder.name in FILE_NAMES else ""
-            raise CorpusNotFoundError(f"corpus path {folder} is a file, not a folder; give the folder that holds "
-                                      f"{expected}{hint}")
-        if not folder.is_dir():
-            raise CorpusNotFoundError(f"corpus folder {folder} does not exist; it should hold {expected}")
-        missing = [n for n in FILE_NAMES if not (folder / n).is_file()]
-        if missing:
-            raise CorpusNotFoundError(f"corpus folder {folder} lacks {', '.join(missing)}; "
-                                      f"it should hold {expected}")
-        words, name = {}, str(folder)
-        for split, file_name in zip(SPLITS, FILE_NAMES):
-            words[split], blank[split] = _read(folder / file_name, max_line_tokens)
-    vocab = Vocabulary.build(words["train"])
-    if len(vocab) == len(SPECIALS):     # a model needs at least one word besides <pad>, <unk> and <eos>
-        where = f"{Path(path) / FILE_NAMES[0]}" if path is not None else "the training split"
-        raise CorpusError(f"{where} holds no words besides {', '.join(SPECIALS[1:])} ("
-                          f"{sum(map(len, words['train'])):,} tokens), so there is nothing to learn; "
-                          "check that it is the right file")
-    eos = [vocab.eos_id]
-    ids = {split: [torch.tensor(vocab.encode(s) + eos, dtype=torch.int64) for s in words[split]] for split in SPLITS}
-    return Corpus(vocab, ids["train"], ids["valid"], ids["test"], name=name, blank_lines=blank)
+            words = synthetic.generate(seed)
+            _EMBEDDED[seed] = _encode_splits({s: enumerate(words[s], 1) for s in SPLITS}, "the embedded corpus")
+        itos, splits = _EMBEDDED[seed]
+        return Corpus(Vocabulary(itos), **splits, name=f"embedded(seed={seed})",
+                      blank_lines=dict.fromkeys(SPLITS, 0))
+    folder = _corpus_folder(path)
+    files = {split: folder / name for split, name in zip(SPLITS, FILE_NAMES)}
+    size = sum(f.stat().st_size for f in files.values())
+    show = _Progress(size) if (size > SHOW_PROGRESS_BYTES if progress is None else progress) else None
+    store = CorpusCache(folder, SPLITS) if cache else None
+    if store is None or not store.usable:
+        if store is not None and show is not None:
+            show.say(f"note: {store.problem}; reading {folder} without a cache")
+        return _read_folder(folder, files, max_line_tokens, show)[0]
+    waiting = (lambda: show.say(f"another process is reading {folder}; waiting for its cache")) if show else None
+    with store.locked(waiting):
+        found = _cached(store, files, max_line_tokens, show)
+        if found is not None:
+            return found
+        corpus, source = _read_folder(folder, files, max_line_tokens, show)
+        store.save(source, {s: corpus.sentences(s) for s in SPLITS}, corpus.vocab.itos)
+        corpus.cache = "built"
+        return corpus
+
+
+def _corpus_folder(path) -> Path:
+    folder = Path(path)
+    expected = ", ".join(FILE_NAMES)
+    if folder.is_file():
+        hint = f" (perhaps its folder, {folder.parent})" if folder.name in FILE_NAMES else ""
+        raise CorpusNotFoundError(f"corpus path {folder} is a file, not a folder; give the folder that holds "
+                                  f"{expected}{hint}")
+    if not folder.is_dir():
+        raise CorpusNotFoundError(f"corpus folder {folder} does not exist; it should hold {expected}")
+    missing = [n for n in FILE_NAMES if not (folder / n).is_file()]
+    if missing:
+        raise CorpusNotFoundError(f"corpus folder {folder} lacks {', '.join(missing)}; it should hold {expected}")
+    return folder
+
+
+def _encode_splits(lines: dict, where: str | dict) -> tuple[list[str], dict[str, Sentences]]:
+    """(the vocabulary's words, split -> Sentences) of each split's (line number, words) pairs: train first,
+    giving words ids as they come, sorted into the vocabulary's order afterwards; then valid and test."""
+    name = (lambda s: where[s]) if isinstance(where, dict) else (lambda s: where)
+    train, first_seen = encode(lines["train"], None, name("train"))
+    itos, new_id = vocab_order(train, first_seen)
+    renumber(train.ids, new_id)
+    if len(itos) == len(SPECIALS):     # a model needs at least one word besides <pad>, <unk> and <eos>
+        raise CorpusError(f"{name('train')} holds no words besides {', '.join(SPECIALS[1:])} ({train.tokens - len(train):,} "
+                          "tokens), so there is nothing to learn; check that it is the right file")
+    stoi = {w: i for i, w in enumerate(itos)}
+    splits = {"train": train}
+    for split in SPLITS[1:]:
+        splits[split] = encode(lines[split], stoi, name(split))[0]
+    return itos, splits
+
+
+def _read_folder(folder: Path, files: dict, max_line_tokens: int, show) -> tuple[Corpus, dict]:
+    """The corpus, and what it was read from (for the cache's meta.json)."""
+    readers = {}
+    for split, path in files.items():
+        before = sum(p.stat().st_size for s, p in files.items() if s in readers)
+        step = (lambda done, before=before, name=path.name: show(before + done, f"reading {name}")) if show else None
+        readers[split] = LineReader(path, max_line_tokens, step)
+    itos, splits = _encode_splits(readers, {s: str(p) for s, p in files.items()})
+    if show is not None:
+        show.done(f"read {folder}: {sum(s.tokens for s in splits.values()):,} tokens")
+    corpus = Corpus(Vocabulary(itos), **splits, name=str(folder),
+                    blank_lines={s: r.blank for s, r in readers.items()})
+    source = {"max_line_tokens": max_line_tokens, "blank_lines": corpus.blank_lines,
+              "files": {p.name: {"bytes": readers[s].bytes, "sha256": readers[s].sha256} for s, p in files.items()}}
+    return corpus, source
+
+
+def _cached(store: CorpusCache, files: dict, max_line_tokens: int, show) -> Corpus | None:
+    """The corpus from its cache, if the cache was built from these very files with these limits."""
+    meta = store.meta()
+    if meta is None or meta.get("max_line_tokens") != max_line_tokens:
+        return None
+    recorded = meta.get("files", {})
+    if any(recorded.get(p.name, {}).get("bytes") != p.stat().st_size for p in files.values()):
+        return None
+    done = 0
+    for path in files.values():
+        step = (lambda n, before=done, name=path.name: show(before + n, f"checking {name}")) if show else None
+        if file_digest(path, step) != recorded[path.name].get("sha256"):
+            return None
+        done += path.stat().st_size
+    loaded = store.load()
+    if loaded is None:
+        return None
+    splits, itos, meta = loaded
+    if show is not None:
+        show.done(f"read the cache in {store.folder}: {sum(s.tokens for s in splits.values()):,} tokens")
+    return Corpus(Vocabulary(itos), **splits, name=str(store.folder.parent), blank_lines=meta["blank_lines"],
+                  cache="read")
+
+
+class _Progress:
+    """One line on stderr while a big corpus is read: redrawn in place on a terminal, else every 10 s."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.stream = max(total, 1), stream or sys.stderr
+        self.start = self.last = time.perf_counter()
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.drawn = False
+
+    def __call__(self, done: int, what: str) -> None:
+        now = time.perf_counter()
+        if now - self.last < (0.5 if self.tty else 10):
+            return
+        self.last = now
+        line = (f"mpedu: {what}: {100 * done / self.total:3.0f}% of {format_size(self.total)} "
+                f"({now - self.start:.0f} s)")
+        self.stream.write(f"\r{line}\033[K" if self.tty else line + "\n")
+        self.stream.flush()
+        self.drawn = self.tty
+
+    def say(self, line: str) -> None:
+        self.stream.write(("\n" if self.drawn else "") + f"mpedu: {line}\n")
+        self.stream.flush()
+        self.drawn = False
+
+    def done(self, line: str) -> None:
+        self.say(f"{line} in {time.perf_counter() - self.start:.1f} s")

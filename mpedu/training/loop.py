@@ -46,7 +46,7 @@ def make_batches(sentences, batch_size: int, *, bptt: int | None = None, buckets
         return StreamIterator(sentences, batch_size, bptt)
     batches = BucketIterator(sentences, batch_size, buckets, shuffle=shuffle, seed=seed)
     if whole and batches.split_sentences:
-        batches = BucketIterator(sentences, batch_size, batches.buckets + [max(batches.lengths)], shuffle=shuffle,
+        batches = BucketIterator(sentences, batch_size, batches.buckets + [int(batches.lengths.max())], shuffle=shuffle,
                                  seed=seed)
     return batches
 

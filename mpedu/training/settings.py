@@ -2,7 +2,6 @@
 batches (a setting the data cannot meet fails now, not after an hour)."""
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
@@ -117,8 +116,6 @@ def _shortest_time_steps(batches) -> int:
     """The fewest time steps any batch of this iterator can have (a wavefront needs chunks <= T)."""
     bptt = getattr(batches, "bptt", None)
     if bptt is not None:                          # StreamIterator: full windows, the last one shorter
-        n = batches.inputs.shape[0]
-        return min(bptt, n % bptt or bptt)
-    cap, buckets = batches.buckets[-1], batches.buckets
-    # a sentence's last piece (the only one unless it is longer than the largest bucket) sets its bucket
-    return min(buckets[bisect.bisect_left(buckets, n - cap * ((n - 1) // cap))] for n in batches.lengths)
+        return min(bptt, batches.steps % bptt or bptt)
+    # every piece but a sentence's last fills the largest bucket, so the smallest bucket in use has the fewest
+    return min(batches.used_buckets)
