@@ -1,8 +1,7 @@
 """The whole idea of a pipeline on one page: a thread per device, a queue per hand-off, a schedule to play.
 
-This is the pipeline to read; `mpedu.Pipeline` is the one to run (it adds what makes it fast and safe:
-streams, memory caps, recomputation, dropout positions, emulated links, a timeline). Both play the same
-`Schedule` objects and give the same loss and gradients, which the tests check.
+This is the pipeline to read; `mpedu.Pipeline` is the one to run (it adds streams, memory caps, recomputation,
+dropout positions, links, a timeline). Both play the same `Schedule`s to the same loss and gradients (tested).
 
 The model is cut into stages (runs of consecutive layers on one device); the batch into m micro-batches.
 Each device runs its row of the schedule, top to bottom, on its own thread:
@@ -23,9 +22,8 @@ Detaching at the boundary makes this a pipeline: each device's autograd graph en
 each thread runs backward through its own stage only, when its schedule says. Without it, the last stage's
 backward would run through every device's graph at once, on one thread.
 
-Micro-batch i's loss is its summed negative log-likelihood over the *whole batch's* tokens, so the m
-backward passes add up, in .grad, to one device's gradient of the batch's mean loss. Zero bubble splits a
-backward in two: B, the input gradient (the stage before waits for it), and W, the weight gradients.
+Micro-batch i's loss is its summed log-loss over the *whole batch's* tokens, so the m backward passes add up, in
+.grad, to one device's gradient. Zero bubble splits a backward: B (the input's gradient), then W (the weights').
 """
 import queue
 import threading
@@ -57,26 +55,33 @@ class ReferencePipeline:
                              f"on {self.placement.stage_devices}; build the schedule for this placement")
         if schedule.chunks != 1:
             raise ValueError("the reference pipeline cuts micro-batches, not time chunks: use mpedu.Pipeline")
-        self.micro_batches = schedule.micro_batches
+        self.micro_batches, self.timeout_s = schedule.micro_batches, TIMEOUT_S
 
     def train_step(self, batch) -> StepResult:
-        tokens = check_batch(batch, self.model.vocab_size)
+        self.begin(batch)
+        self.play()
+        return StepResult(sum(self.losses.values()), sum(self.losses.values()) * self.tokens, self.tokens)
+
+    def begin(self, batch) -> None:
+        """Cut the batch into micro-batches and make the queues a step's hand-offs go through."""
+        self.tokens, n, m = check_batch(batch, self.model.vocab_size), len(self.stages), self.micro_batches
         self.model.train()
-        self.micro = fit_width(batch, self.micro_batches).split(self.micro_batches)   # m x (T, B/m)
-        self.tokens, n, m = tokens, len(self.stages), self.micro_batches
+        self.micro = fit_width(batch, m).split(m)                                     # m x (T, B/m)
         # one queue per hand-off, keyed (s, i): the input of stage s, and the gradient of its output
         self.activations = {(s, i): queue.Queue() for s in range(1, n) for i in range(m)}
         self.gradients = {(s, i): queue.Queue() for s in range(n - 1) for i in range(m)}
         self.inputs, self.outputs = {}, {}      # (s, i) -> the stage's input and output, kept from F to B
         self.output_grads, self.losses = {}, {}  # (s, i) -> the output's gradient, kept from B to W; i -> loss
         self.failed = threading.Event()
+
+    def play(self) -> None:
+        """Play the schedule: one thread per device runs its row of actions in order."""
         errors: list[BaseException] = []
 
         def job(d: int) -> None:
             try:
-                run = {"F": self.F, "B": self.B, "W": self.W}
                 for action in self.schedule.actions[d]:
-                    run[action.kind](action.stage, action.mb)
+                    getattr(self, action.kind)(action.stage, action.mb)      # self.F, self.B or self.W
             except BaseException as e:          # tell the other devices to stop waiting, and report it
                 errors.append(e)
                 self.failed.set()
@@ -89,8 +94,6 @@ class ReferencePipeline:
             t.join()
         if errors:
             raise errors[0]
-        loss = sum(self.losses.values())
-        return StepResult(loss, loss * tokens, tokens)
 
     # -- the three actions ------------------------------------------------------------------
     def F(self, s: int, i: int) -> None:
@@ -138,10 +141,10 @@ class ReferencePipeline:
 
     def receive(self, q: queue.Queue, what: str) -> torch.Tensor:
         """The next message on `q`; stop if another device failed, and never wait forever."""
-        for _ in range(int(TIMEOUT_S / 0.05)):
+        for _ in range(int(self.timeout_s / 0.05)):
             try:
                 return q.get(timeout=0.05)
             except queue.Empty:
                 if self.failed.is_set():
                     raise RuntimeError("another device failed") from None
-        raise TimeoutError(f"{threading.current_thread().name} waited {TIMEOUT_S:g} s for {what}")
+        raise TimeoutError(f"{threading.current_thread().name} waited {self.timeout_s:g} s for {what}")

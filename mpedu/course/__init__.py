@@ -1,6 +1,7 @@
 """What the notebooks use beside the engine: the explorer widget (needs the notebooks extra, so it is
-imported only when asked for), claims judged from measurements, baselines, the explorer's words
-and refusals. Imports the layers below (runtime ... training)."""
+imported only when asked for), claims judged from measurements, baselines, checked exercises (the
+learner's own pipeline code and schedules), the explorer's words and refusals. Imports the layers below (runtime ... training)."""
+from . import exercises
 from .baselines import Baselines, measure_baselines
 from .claims import (NEEDS_CORES, NEIGHBOURS, SLOW_LINK, Verdict, compare, free_cores, in_turn, measure_placements,
                      within)
@@ -10,7 +11,7 @@ from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, far_from_predic
 __all__ = [
     "Baselines", "BOARD_CSS", "BOARD_ESM", "LayerBoard", "NEEDS_CORES", "NEIGHBOURS", "PipelineExplorer",
     "RECOMPUTE", "Refusal", "SCHEDULES", "SLOW_LINK", "SLOWDOWNS", "TIMELINE_CSS", "TIMELINE_ESM",
-    "TimelineView", "Verdict", "check", "compare", "cost_note", "dealt", "describe",
+    "TimelineView", "Verdict", "check", "compare", "cost_note", "dealt", "describe", "exercises",
     "far_from_prediction", "free_cores", "in_turn", "link_label", "measure_baselines",
     "measure_placements", "same_plan", "sequences", "timeline_panel", "within",
 ]
