@@ -32,7 +32,7 @@ from mpedu.course import NEIGHBOURS, SLOW_LINK, compare, in_turn, measure_placem
 from mpedu.runtime import Worker, get_device  # noqa: E402
 
 M = 4                                          # micro-batches, as in the notebooks
-SPLIT = "embed,lstm0-2:vgpu0 | lstm3,decode:vgpu1"           # notebooks 03, 05-07
+SPLIT = "embed,lstm0-2:vgpu0 | lstm3,decode:vgpu1"           # notebooks 04, 06-08
 HOWTO_LEFT = "embed,lstm0-3:vgpu0 | lstm4-7,decode:vgpu1"     # the LSTM layers shared equally
 HOWTO_RIGHT = "embed,lstm0-6:vgpu0 | lstm7,decode:vgpu1"      # the decoder's device takes fewer LSTM layers
 
@@ -108,7 +108,7 @@ def overlap(rounds: int) -> list:
 
 
 def gpipe_speedup(model, batch, costs, rounds: int) -> list:
-    """Notebook 03: a 2-device GPipe pipeline beats one device, and more so with more micro-batches; the
+    """Notebook 04: a 2-device GPipe pipeline beats one device, and more so with more micro-batches; the
     simulator predicts the speed-up at m=4."""
     alone = "embed,lstm0-3,decode:vgpu0"
     pipes = pipelines(model, batch, {"one device, m=1": (alone, "gpipe", 1), "two devices, m=1": (SPLIT, "gpipe", 1),
@@ -118,11 +118,11 @@ def gpipe_speedup(model, batch, costs, rounds: int) -> list:
     close(pipes, model)
     speedup = {f"m={m}": [a / b for a, b in zip(times[f"one device, m={m}"], times[f"two devices, m={m}"])]
                for m in (1, M)}
-    return [compare("nb03/04: a pipeline on two devices beats one device (GPipe, m=4)", times, "two devices, m=4",
+    return [compare("nb04/05: a pipeline on two devices beats one device (GPipe, m=4)", times, "two devices, m=4",
                     "one device, m=4", margin=1.2, cores=cores),
-            compare("nb03: GPipe's speedup over one device grows with the micro-batches", speedup, f"m={M}", "m=1",
+            compare("nb04: GPipe's speedup over one device grows with the micro-batches", speedup, f"m={M}", "m=1",
                     margin=1.15, cores=cores, unit="x", smaller_wins=False),
-            within("nb03: the simulator predicts GPipe's speed-up on two devices (m=4) within 15%", predicted,
+            within("nb04: the simulator predicts GPipe's speed-up on two devices (m=4) within 15%", predicted,
                    speedup[f"m={M}"], tolerance=0.15, cores=cores, unit="x")]
 
 
@@ -135,33 +135,33 @@ def layer_costs(costs) -> list:
 
 
 def balance(model, batch, costs, rounds: int) -> list:
-    """Notebook 04: balancing by measured time beats an even layer count."""
+    """Notebook 05: balancing by measured time beats an even layer count."""
     even, balanced = mpedu.Placement.even(model, 2), balance_by_time(model, batch, 2, micro_batches=M, costs=costs)
     if balanced == even:
         raise RuntimeError(f"balance_by_time chose the even split {even}: the profile is too noisy to test balance")
     pipes = pipelines(model, batch, {"even": (even, "gpipe", M), "balanced": (balanced, "gpipe", M)})
     times, cores = around(lambda: in_turn(steps(pipes), rounds=rounds, seconds=makespan))
     close(pipes, model)
-    return [compare(f"nb04: balanced ({balanced}) beats even layer counts", times, "balanced", "even",
+    return [compare(f"nb05: balanced ({balanced}) beats even layer counts", times, "balanced", "even",
                     margin=1.05, cores=cores)]
 
 
 def neighbours(model, batch, costs, rounds: int) -> list:
-    """Notebook 04: on a slow link, keeping neighbours together beats alternating; the simulator predicts both."""
+    """Notebook 05: on a slow link, keeping neighbours together beats alternating; the simulator predicts both."""
     before = cores_now()                      # the simulator shares these cores, as the measured steps did
     runs = measure_placements(model, batch, NEIGHBOURS, SLOW_LINK, micro_batches=M, rounds=rounds, costs=costs,
                               cores=before)
     cores = min(before, cores_now())
     times = {label: run.times for label, run in runs.items()}
     worst = max(runs, key=lambda label: abs(runs[label].error))      # one verdict for both: the worse prediction
-    return [compare(f"nb04: on {SLOW_LINK}, neighbours together beat alternating devices", times, "contiguous",
+    return [compare(f"nb05: on {SLOW_LINK}, neighbours together beat alternating devices", times, "contiguous",
                     "alternating", margin=1.2, cores=cores),
-            within(f"nb04: on {SLOW_LINK} the simulator predicts both placements within 10% (worse one: {worst})",
+            within(f"nb05: on {SLOW_LINK} the simulator predicts both placements within 10% (worse one: {worst})",
                    runs[worst].predicted.makespan, times[worst], tolerance=0.10, cores=cores)]
 
 
 def buckets(model, corpus, rounds: int, n: int = 4) -> list:
-    """Notebook 05: buckets train faster per real token than padding each batch to its longest sentence."""
+    """Notebook 06: buckets train faster per real token than padding each batch to its longest sentence."""
     longest = int(corpus.train.lengths().max())
     bucketed = [b for b, _ in zip(mpedu.BucketIterator(corpus.train, 32, seed=0, drop_last=True), range(n))]
     padded = []
@@ -179,12 +179,12 @@ def buckets(model, corpus, rounds: int, n: int = 4) -> list:
     pipe.close()
     model.zero_grad(set_to_none=True)
     # Padding is extra work on every device, not a question of two devices at once: any core count shows it.
-    return [compare("nb05: buckets train faster per 1,000 real tokens than padding to the batch's longest",
+    return [compare("nb06: buckets train faster per 1,000 real tokens than padding to the batch's longest",
                     times, "buckets", "padded to batch longest", margin=1.2, needs_cores=0)]
 
 
 def shapes(model, corpus, rounds: int) -> list:
-    """Notebook 05: a new bucket shape costs little (its first step against the next ones), and a step on the
+    """Notebook 06: a new bucket shape costs little (its first step against the next ones), and a step on the
     longest bucket costs over twice one on the shortest."""
     by_length = {}
     for b in mpedu.BucketIterator(corpus.train, 32, seed=0, drop_last=True):
@@ -200,46 +200,46 @@ def shapes(model, corpus, rounds: int) -> list:
     model.zero_grad(set_to_none=True)
     next_step = [1.25 * statistics.median(later[T]) for T in (lengths[0], lengths[-1])]
     # One device's own steps compared with each other: no question of two devices at once.
-    return [compare("nb05: a new shape costs little: its first step takes under 1.25x the next ones",
+    return [compare("nb06: a new shape costs little: its first step takes under 1.25x the next ones",
                     {"first step": first, "1.25 x the next": next_step}, "first step", "1.25 x the next",
                     margin=1.0, needs_cores=0),
-            compare(f"nb05: a step on the longest bucket (T={lengths[-1]}) takes over twice one on the shortest "
+            compare(f"nb06: a step on the longest bucket (T={lengths[-1]}) takes over twice one on the shortest "
                     f"(T={lengths[0]})", {"shortest": later[lengths[0]], "longest": later[lengths[-1]]},
                     "shortest", "longest", margin=2.0, needs_cores=0)]
 
 
 def activations(model, batch) -> list:
-    """Notebook 06: 1F1B holds fewer activations at its peak than GPipe (bytes: the order of actions decides)."""
+    """Notebook 07: 1F1B holds fewer activations at its peak than GPipe (bytes: the order of actions decides)."""
     pipes = pipelines(model, batch, {"GPipe": (SPLIT, "gpipe", 8), "1F1B": (SPLIT, "1f1b", 8)})
     peak = {n: pipe.train_step(batch).timeline.peak_memory("vgpu:0") for n, pipe in pipes.items()}
     close(pipes, model)
-    return [compare("nb06: 1F1B holds fewer activations than GPipe (m=8, first device's peak)", peak, "1F1B",
+    return [compare("nb07: 1F1B holds fewer activations than GPipe (m=8, first device's peak)", peak, "1F1B",
                     "GPipe", margin=2.0, needs_cores=0, unit="bytes")]
 
 
 def zero_bubble(model, batch, rounds: int) -> list:
-    """Notebook 06: the zero-bubble schedule keeps up with 1F1B (an LSTM stage's weight gradients come with its B,
+    """Notebook 07: the zero-bubble schedule keeps up with 1F1B (an LSTM stage's weight gradients come with its B,
     so splitting the backward no longer runs the LSTM's backward kernel twice)."""
     pipes = pipelines(model, batch, {"1F1B": (SPLIT, "1f1b", 8), "zero bubble (ZB-H1)": (SPLIT, "zb1", 8)})
     times, cores = around(lambda: in_turn(steps(pipes), rounds=rounds, seconds=makespan))
     close(pipes, model)
-    return [compare("nb06: zero bubble keeps up with 1F1B (at most 3% slower)", times, "zero bubble (ZB-H1)", "1F1B",
+    return [compare("nb07: zero bubble keeps up with 1F1B (at most 3% slower)", times, "zero bubble (ZB-H1)", "1F1B",
                     margin=0.97, cores=cores)]
 
 
 def wavefront(model, batch, rounds: int) -> list:
-    """Notebook 07: cutting the sequence into time chunks beats naive model parallelism (one batch, m=1)."""
+    """Notebook 08: cutting the sequence into time chunks beats naive model parallelism (one batch, m=1)."""
     pipes = pipelines(model, batch, {"naive": (SPLIT, "naive", 1)})
     pipes["wavefront, 4 chunks"] = mpedu.Pipeline(model, SPLIT, "wavefront", micro_batches=1, chunks=4)
     pipes["wavefront, 4 chunks"].bench_batch = batch
     times, cores = around(lambda: in_turn(steps(pipes), rounds=rounds, seconds=makespan))
     close(pipes, model)
-    return [compare("nb07: the wavefront (4 time chunks) beats naive model parallelism", times,
+    return [compare("nb08: the wavefront (4 time chunks) beats naive model parallelism", times,
                     "wavefront, 4 chunks", "naive", margin=1.15, cores=cores)]
 
 
 def howto(rounds: int) -> list:
-    """Notebook 04: the how-to's mxnet8 in its two placements: measured on virtual devices, predicted for GPUs."""
+    """Notebook 05: the how-to's mxnet8 in its two placements: measured on virtual devices, predicted for GPUs."""
     torch.manual_seed(0)
     model = mpedu.LSTMLM.from_config("mxnet8", 10000, dropout=0.0)
     batch = random_batch(10000, 35, 32)
@@ -263,7 +263,7 @@ def howto(rounds: int) -> list:
                     "an LSTM layer", "the decoder", margin=2.0, needs_cores=0, unit="bytes"),
             compare("how-to: on GPUs (cost model, PCIe 4) the left pipeline beats the right", on_gpu, "left",
                     "right", margin=1.2, needs_cores=0),
-            # holds while the decoder costs over ~3 LSTM layers on this CPU (GPipe, m=4, simulated); notebook 04's
+            # holds while the decoder costs over ~3 LSTM layers on this CPU (GPipe, m=4, simulated); notebook 05's
             # outputs come from a machine where it cost ~5; on one where it cost 2.1-2.7 it did not (2026-12-01)
             compare("how-to: on virtual devices (CPU cores) the right pipeline beats the left", times, "right",
                     "left", margin=1.1, cores=cores)]

@@ -1,4 +1,4 @@
-"""Notebook 04 in a real browser, in each front end the course supports (JupyterLab 4, Notebook 7, Voilà): its
+"""Notebook 05 in a real browser, in each front end the course supports (JupyterLab 4, Notebook 7, Voilà): its
 explorer's cells run, a layer chip is dragged to another device, the kernel sees it and the timeline redraws; a
 change from the kernel during a drag waits for the drag to end; a refused choice leaves no stale figure, status or blank
 space; three arrow presses in a row each move a chip; every position of the sliders is accepted; and the time
@@ -27,7 +27,7 @@ from mpedu.course import SCHEDULES, SLOWDOWNS, link_label
 from mpedu.runtime import LINKS
 
 REPO = Path(__file__).resolve().parent.parent
-NOTEBOOK = REPO / "notebooks" / "04_partitioning.ipynb"
+NOTEBOOK = REPO / "notebooks" / "05_partitioning.ipynb"
 CHROMIUM = "/usr/bin/chromium"
 # Without the background-networking flags Chromium keeps calling out, and a closed network refuses it.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -203,7 +203,7 @@ FRONT_ENDS = [JupyterLab(), Notebook7(), Voila()]
 
 
 def _explorer_cells() -> dict:
-    """Notebook 04 with only the code cells tagged `explorer`: the set-up, the measured costs and the explorer's
+    """Notebook 05 with only the code cells tagged `explorer`: the set-up, the measured costs and the explorer's
     own cells (every markdown cell kept). nbval runs the whole notebook; each front end here needs just what the
     explorer needs, which spares three runs of the section 1-3 experiments (about 30 s of training each)."""
     notebook = json.loads(NOTEBOOK.read_text())
@@ -260,7 +260,7 @@ def sync_playwright():
 
 @pytest.fixture(scope="module", params=FRONT_ENDS, ids=lambda front_end: front_end.id)
 def server(request, tmp_path_factory):
-    """The front end on 127.0.0.1 serving notebook 04's explorer cells (a copy), with fresh home, config, data,
+    """The front end on 127.0.0.1 serving notebook 05's explorer cells (a copy), with fresh home, config, data,
     settings, runtime and workspace folders, in its own process group (stopped whole at the end)."""
     front_end = request.param
     if importlib.util.find_spec(front_end.module) is None:

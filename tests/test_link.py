@@ -169,7 +169,7 @@ def test_the_simulator_takes_a_string_and_queues_like_the_engine():
 
 
 def test_simulator_and_engine_agree_that_cuts_cost_on_a_slow_link():
-    """Notebook 04's lesson on the tiny model: with 30 ms transfers, the alternating placement's
+    """Notebook 05's lesson on the tiny model: with 30 ms transfers, the alternating placement's
     three cuts cost more than the contiguous one's single cut, measured and predicted alike."""
     model = tiny_model(num_layers=4)
     batch = make_batch(T=9, B=8, seed=3)

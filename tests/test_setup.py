@@ -76,7 +76,7 @@ def test_readme_course_map_links_every_notebook_once_in_order():
 
 
 def test_readme_course_titles_are_the_notebooks_first_headings():
-    # "03 pipelining" names "# 3 · Pipelining: micro-batches and GPipe": the number, then the heading's start.
+    # "03 pipelining" names "# 4 · Pipelining: micro-batches and GPipe": the number, then the heading's start.
     for title, path in _course_map():
         number, _, words = title.partition(" ")
         heading = _first_heading(ROOT / path)
@@ -91,7 +91,7 @@ def test_readme_links_the_one_page_summary_from_the_course_section():
 
 
 def test_every_link_between_notebooks_and_docs_exists():
-    # "Next: [3 · Pipelining](03_pipelining.ipynb)" and the like, in every notebook's markdown and in the docs.
+    # "Next: [4 · Pipelining](04_pipelining.ipynb)" and the like, in every notebook's markdown and in the docs.
     broken = []
     for page in [*sorted((ROOT / "notebooks").glob("*.ipynb")), *sorted((ROOT / "docs").glob("*.md"))]:
         if page.suffix == ".ipynb":

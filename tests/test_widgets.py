@@ -385,7 +385,7 @@ def test_a_failing_run_reports_in_the_widget():
 def test_the_constructor_reads_a_slowed_link_and_refuses_what_its_controls_cannot_show():
     model = tiny_model(num_layers=3)
     ex = PipelineExplorer(model, make_batch(T=T, B=B), devices=1, micro_batches=M, costs=fixed_costs(model),
-                          link="10gbe/100")                     # Link.parse's text, as notebook 04 wrote it
+                          link="10gbe/100")                     # Link.parse's text, as notebook 05 wrote it
     assert (ex.link_menu.value, ex.slowdown.value) == ("10gbe", 100)
     assert "1 stage on 1 device" in text(ex.figure_line.value)   # not "1 stages on 1 devices"
     ex.wait(timeout=60)             # its best-plans search: no thread in torch when the process ends

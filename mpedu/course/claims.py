@@ -259,7 +259,7 @@ def measure_placements(model, batch, placements, link, schedule: str = "gpipe", 
     return runs
 
 
-# The experiment of notebook 04 and bench/claims.py: the `small` model with 4 LSTM layers, one
+# The experiment of notebook 05 and bench/claims.py: the `small` model with 4 LSTM layers, one
 # (35, 32) batch, GPipe with 4 micro-batches; neighbouring layers together, or alternating.
 NEIGHBOURS = {"contiguous": "embed,lstm0-1:vgpu0 | lstm2-3,decode:vgpu1",
               "alternating": "embed,lstm0,lstm2:vgpu0 | lstm1,lstm3,decode:vgpu1"}

@@ -62,8 +62,8 @@ def check_schedule(text: str, like: str = "1f1b", micro_batches: int = 4, device
     except (ScheduleError, ValueError) as e:
         return Check(False, ["not yet: " + str(e), _hint(str(e), like)])
     textbook = make(like, stage_devices, micro_batches)
-    lines = [f"valid: every device's actions can run in order, every micro-batch gets its F and B "
-             f"({_counts(yours)})", yours.grid()]
+    lines = [f"valid: every device's actions can run in order, every micro-batch gets its "
+             f"{'F, B and W' if yours.split_backward else 'F and B'} ({_counts(yours)})", yours.grid()]
     ok = True
     if textbook.split_backward and not yours.split_backward:
         lines.append(f"but {name} splits each backward into B (the input's gradient, which the stage before waits "
@@ -81,7 +81,8 @@ def check_schedule(text: str, like: str = "1f1b", micro_batches: int = 4, device
         if mine_d > theirs_d:
             ok = False
             lines.append(f"unlike {name}: holds {mine_d:g} micro-batches on device {d} where {name} holds "
-                         f"{theirs_d:g} (start a backward sooner: each B frees its micro-batch)")
+                         f"{theirs_d:g} (start backwards sooner: a micro-batch is held until its "
+                         f"{'W' if yours.split_backward else 'B'})")
     if mine.makespan > theirs.makespan + 1e-9:
         ok = False
         idle = ", ".join(f"device {d} idles {mine.idle(n):g} of {mine.makespan:g} ({name}: {theirs.idle(n):g} of "
