@@ -155,3 +155,13 @@ def test_a_placeholder_is_not_done_yet_and_an_unknown_exercise_is_named():
     assert str(check("boundary")).startswith("not yet: give check('boundary', ...)")
     with pytest.raises(ValueError, match="exercise 'stage': choose one of boundary, loss, play"):
         check("stage", right_forward)
+
+
+def test_a_prediction_is_judged_and_a_missing_one_is_asked_for():
+    claim, why = "1F1B's bubble is smaller than GPipe's", "both take 15 time units"
+    assert exercises.judge(False, False, claim, why).ok
+    wrong = exercises.judge(True, False, claim, why)
+    assert not wrong.ok and str(wrong) == ("your prediction does not hold: it is false that 1F1B's bubble is smaller "
+                                           "than GPipe's\nboth take 15 time units")
+    assert str(exercises.judge(None, False, claim, why)).startswith("make your prediction first: is it true that")
+    assert "set it to True or False" in str(exercises.judge("yes", False, claim, why))

@@ -315,3 +315,15 @@ def _check_play(play) -> Check:
             return Check(False, [f"device {d} ran {' '.join(map(str, order[d]))}, not its row "
                                  f"{' '.join(map(str, row))}: play each row in order"])
     return setup.verdict(sum(pipe.losses.values()), "each device played its row of 1F1B on its own thread")
+
+
+def judge(prediction, actual: bool, claim: str, why: str) -> Check:
+    """A learner's prediction (True, False, or None: not made yet) against what the cell measured or simulated:
+    whether `claim` is true (`actual`), and `why`."""
+    if prediction is None:
+        return Check(False, [f"make your prediction first: is it true that {claim}? Set it to True or False above, "
+                             "then run this cell again", f"(what the cell found: {why})"])
+    if not isinstance(prediction, bool):
+        return Check(False, [f"prediction={prediction!r}: set it to True or False"])
+    verdict = "your prediction holds" if prediction == actual else "your prediction does not hold"
+    return Check(prediction == actual, [f"{verdict}: it is {'true' if actual else 'false'} that {claim}", why])
