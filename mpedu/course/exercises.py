@@ -60,7 +60,7 @@ def check_schedule(text: str, like: str = "1f1b", micro_batches: int = 4, device
     try:
         yours = read(text, stage_devices, micro_batches, name="yours")
     except (ScheduleError, ValueError) as e:
-        return Check(False, ["not yet: " + str(e), _hint(str(e), like)])
+        return Check(False, ["not yet: " + str(e), _hint(str(e), f"{like!r}, {stage_devices}, {micro_batches}")])
     textbook = make(like, stage_devices, micro_batches)
     lines = [f"valid: every device's actions can run in order, every micro-batch gets its "
              f"{'F, B and W' if yours.split_backward else 'F and B'} ({_counts(yours)})", yours.grid()]
@@ -105,7 +105,7 @@ def _per_device(held: dict) -> str:
     return " / ".join(f"{v:g}" for v in held.values())
 
 
-def _hint(message: str, like: str) -> str:
+def _hint(message: str, textbook: str) -> str:
     if "deadlock" in message:
         return ("hint: an F needs the stage before's F of the same micro-batch; a B needs its own F and the stage "
                 "after's B. Some device waits for an action that can only come after its wait.")
@@ -116,7 +116,7 @@ def _hint(message: str, like: str) -> str:
         return "hint: write one line per device, its actions in the order it runs them, e.g. '0F0 0F1 0B0 0B1'."
     if "lives on device" in message:
         return "hint: stage d lives on device d here, so device d's line holds only actions dF.., dB.. (and dW..)."
-    return f"hint: compare with mpedu.core.schedules.make({like!r}, [0, 1], 4).grid()"
+    return f"hint: compare with mpedu.core.schedules.make({textbook}).grid()"
 
 
 def _run_for_real(schedule, devices: int) -> str:
