@@ -259,3 +259,18 @@ def test_a_deadlock_marks_the_device_that_waits_for_its_own_later_action():
     text = str(caught.value)
     assert "device 1 waits at 1B0 for 1F0, which comes later in device 1's own list" in text
     assert [line for line in text.splitlines() if "ERROR HERE" in line][0].strip().startswith("dev 1")
+
+
+@pytest.mark.parametrize("name,stage_devices,m,chunks", [("gpipe", [0, 1], 4, 1), ("1f1b", [0, 1, 2], 6, 1),
+                                                         ("zb1", [0, 1], 4, 1), ("interleaved", [0, 1, 0, 1], 4, 1),
+                                                         ("wavefront", [0, 1], 2, 3)])
+def test_a_schedule_round_trips_through_its_text_form(name, stage_devices, m, chunks):
+    made = make(name, stage_devices, m, chunks)
+    again = Schedule.from_text(made.to_text(), stage_devices if name == "interleaved" else None)
+    assert again.actions == made.actions and again.split_backward == made.split_backward
+    assert (again.micro_batches, again.chunks, again.name) == (m, chunks, "by hand")
+
+
+def test_text_with_no_actions_is_refused_in_words():
+    with pytest.raises(ScheduleError, match="the text holds no actions; write one line of actions"):
+        Schedule.from_text("  # only a comment\n\n")

@@ -151,6 +151,32 @@ class Schedule:
         return hash((tuple(self.stage_devices), self.micro_batches, self.chunks, frozenset(self.split_backward),
                      tuple(tuple(row) for row in self.actions)))
 
+    # -- text ---------------------------------------------------------------------
+    @classmethod
+    def from_text(cls, text: str, stage_devices=None, micro_batches: int | None = None,
+                  name: str = "by hand") -> "Schedule":
+        """A hand-written schedule, one line of actions per device, validated:
+
+            Schedule.from_text('''
+                0F0 0F1 0B0 0B1
+                1F0 1B0 1F1 1B1
+            ''')
+
+        stage_devices: None puts stage d on device d (one stage per line); give it when a device holds
+        several stages. micro_batches: None counts them from the actions. The inverse of to_text."""
+        from .files import read         # (files reads the text into this module's Schedule)
+        if stage_devices is None:
+            lines = [line for line in text.splitlines() if line.split("#", 1)[0].strip()]
+            stage_devices = list(range(len(lines)))
+            if not stage_devices:
+                raise ScheduleError("the text holds no actions; write one line of actions per device, e.g. "
+                                    "'0F0 0F1 0B0 0B1'")
+        return read(text, stage_devices, micro_batches, name=name)
+
+    def to_text(self) -> str:
+        """One line of actions per device, the form from_text reads (and a schedule file holds)."""
+        return "\n".join(" ".join(map(self.label, row)) for row in self.actions)
+
     # -- printing -----------------------------------------------------------------
     def label(self, a: Action) -> str:
         """An action as the grid writes it: with time chunks, always with its chunk (0B0.0)."""
