@@ -24,7 +24,8 @@ def test_the_textbook_orders_pass_and_are_exact():
         result = check_schedule(text_of(like), like=like)
         assert result.ok, str(result)
         assert str(result).startswith(f"matches {NAMES[like]}")
-        assert "correct: run for real on 2 virtual devices, the loss and every gradient equal one device's" in str(result)
+        assert "correct: run for real on 2 virtual devices, the loss and every gradient equal one device's" in \
+            str(result)
 
 
 def test_gpipe_and_1f1b_take_equally_long_at_textbook_costs_but_hold_different_amounts():
@@ -72,7 +73,7 @@ def test_zero_bubble_needs_its_w_actions():
 
 
 def test_gradients_that_differ_from_one_device_are_called_wrong(monkeypatch):
-    monkeypatch.setattr("mpedu.course.exercises.EXACT", 0.0)          # (no valid schedule can give wrong gradients here)
+    monkeypatch.setattr("mpedu.course.exercises.EXACT", 0.0)      # (no valid schedule gives wrong gradients here)
     result = check_schedule(text_of("1f1b"))
     assert not result.ok and "wrong: run for real, the gradients differ from one device's by up to" in str(result)
 

@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--placement", metavar="STR",
                        help='layers to devices, e.g. "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"')
     pipe.add_argument("--schedule", default="gpipe",
-                      help="pipeline schedule: naive, gpipe, 1f1b, interleaved, zb1, wavefront (default: gpipe), or "
-                      "a file of your own, one line of actions per device (0F0 0F1 0B0 0B1)")
+                      help="pipeline schedule: naive, gpipe, 1f1b, interleaved, looped_bfs, zb1, wavefront (default: "
+                      "gpipe), or a file of your own, one line of actions per device (0F0 0F1 0B0 0B1)")
     pipe.add_argument("--micro-batches", type=positive_int, metavar="M",
                       help="micro-batches per batch, at most --batch-size (default: the recipe's; laptop: 8, "
                            "others: 4)")

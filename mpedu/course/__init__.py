@@ -1,6 +1,7 @@
 """What the notebooks use beside the engine: the explorer widget (needs the notebooks extra, so it is
 imported only when asked for), claims judged from measurements, baselines, checked exercises (the
-learner's own pipeline code and schedules), the explorer's words and refusals. Imports the layers below (runtime ... training)."""
+learner's own pipeline code and schedules), the explorer's words and refusals. Imports the layers
+below (runtime ... training)."""
 from . import exercises
 from .baselines import Baselines, measure_baselines
 from .claims import (NEEDS_CORES, NEIGHBOURS, SLOW_LINK, Verdict, compare, free_cores, in_turn, measure_placements,

@@ -207,8 +207,9 @@ def _encode_splits(lines: dict, where: str | dict) -> tuple[list[str], dict[str,
     itos, new_id = vocab_order(train, first_seen)
     renumber(train.ids, new_id)
     if len(itos) == len(SPECIALS):     # a model needs at least one word besides <pad>, <unk> and <eos>
-        raise CorpusError(f"{name('train')} holds no words besides {', '.join(SPECIALS[1:])} ({train.tokens - len(train):,} "
-                          "tokens), so there is nothing to learn; check that it is the right file")
+        raise CorpusError(f"{name('train')} holds no words besides {', '.join(SPECIALS[1:])} "
+                          f"({train.tokens - len(train):,} tokens), so there is nothing to learn; check that it is "
+                          "the right file")
     stoi = {w: i for i, w in enumerate(itos)}
     splits = {"train": train}
     for split in SPLITS[1:]:

@@ -20,9 +20,9 @@ named schedules and `make`), files (hand-written schedules). Use them through th
 """
 from .actions import KINDS, MAX_UNITS, Action, B, F, Schedule, ScheduleError, W, run_order
 from .files import from_option, read, read_file
-from .generators import (ALIASES, GENERATORS, canonical, for_runner, forwards_only, gpipe, interleaved,
-                         is_round_robin, make, naive, one_f_one_b, wavefront, zb1)
+from .generators import (ALIASES, GENERATORS, canonical, for_runner, forwards_only, gpipe, interleaved, is_round_robin,
+                         looped_bfs, make, naive, one_f_one_b, wavefront, zb1)
 
 __all__ = ["ALIASES", "Action", "B", "F", "GENERATORS", "KINDS", "MAX_UNITS", "Schedule", "ScheduleError", "W",
-           "canonical", "for_runner", "forwards_only", "from_option", "gpipe", "interleaved", "is_round_robin", "make", "naive", "one_f_one_b",
-           "read", "read_file", "run_order", "wavefront", "zb1"]
+           "canonical", "for_runner", "forwards_only", "from_option", "gpipe", "interleaved", "is_round_robin",
+           "looped_bfs", "make", "naive", "one_f_one_b", "read", "read_file", "run_order", "wavefront", "zb1"]

@@ -164,7 +164,7 @@ class Schedule:
 
         stage_devices: None puts stage d on device d (one stage per line); give it when a device holds
         several stages. micro_batches: None counts them from the actions. The inverse of to_text."""
-        from .files import read         # (files reads the text into this module's Schedule)
+        from .files import read  # (files reads the text into this module's Schedule)
         if stage_devices is None:
             lines = [line for line in text.splitlines() if line.split("#", 1)[0].strip()]
             stage_devices = list(range(len(lines)))

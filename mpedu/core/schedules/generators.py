@@ -102,6 +102,25 @@ def interleaved(stage_devices, m: int) -> Schedule:
     return Schedule("interleaved", tuple(stage_devices), m, rows)
 
 
+def looped_bfs(stage_devices, m: int) -> Schedule:
+    """Breadth-first pipelining (Lamy-Poirier, 2023; PyTorch's ScheduleLoopedBFS): each device runs all m
+    forwards of its first stage, then all m of its next one, and so on; then the backwards, its last stage
+    first, micro-batches in reverse order. Stages dealt round-robin give PyTorch's order, action for action:
+
+        2 devices, stages 0 and 2 on device 0, 1 and 3 on device 1, m = 2:
+            device 0   0F0 0F1 2F0 2F1 2B1 2B0 0B1 0B0
+            device 1   1F0 1F1 3F0 3F1 3B1 3B0 1B1 1B0
+    Like GPipe it holds all m micro-batches until their backward; unlike it, a device finishes one stage's
+    forwards before the next (GPipe on these stages takes micro-batch 0 through both of a device's stages first).
+    """
+    rows = []
+    for d in range(max(stage_devices) + 1):
+        mine = [s for s, device in enumerate(stage_devices) if device == d]
+        rows.append([F(s, i) for s in mine for i in range(m)]
+                    + [B(s, i) for s in reversed(mine) for i in reversed(range(m))])
+    return Schedule("looped_bfs", tuple(stage_devices), m, rows)
+
+
 def zb1(stage_devices, m: int) -> Schedule:
     """Zero bubble ZB-H1 (Qi et al., 2023): the backward is split into B (input
     gradient, which the previous stage waits for) and W (weight gradient, which
@@ -162,12 +181,14 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
+    "looped_bfs": looped_bfs,
     "zb1": zb1,
     "wavefront": wavefront,
 }
 
 
-ALIASES = {"onefoneb": "1f1b", "zb": "zb1", "zbh1": "zb1", "zerobubble": "zb1"}
+ALIASES = {"onefoneb": "1f1b", "zb": "zb1", "zbh1": "zb1", "zerobubble": "zb1", "loopedbfs": "looped_bfs",
+           "bfs": "looped_bfs"}
 
 
 def canonical(name: str) -> str:
