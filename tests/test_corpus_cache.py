@@ -183,3 +183,18 @@ def test_where_a_memory_map_cannot_grow_the_ids_are_the_same(tmp_path, monkeypat
 def test_tokens_are_counted_as_bytes_split_finds_them(raw):
     from mpedu.lm.reading import _count_tokens
     assert _count_tokens(raw) == len(raw.split())
+
+
+def test_a_cache_that_cannot_be_written_loses_nothing(tmp_path, monkeypatch, capsys):
+    folder = write_corpus(tmp_path / "c")
+    expected = load_corpus(folder, cache=False)
+
+    def full_disk(self, *args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("mpedu.lm.corpus_cache.CorpusCache.save", full_disk)
+    corpus = load_corpus(folder)
+    assert corpus.cache is None and same(corpus, expected)
+    assert (f"mpedu: note: could not write the cache in {folder / FOLDER} (No space left on device); the corpus "
+            "was read, and will be read again next time") in capsys.readouterr().err
+    monkeypatch.undo()
+    assert load_corpus(folder).cache == "built"

@@ -179,7 +179,12 @@ def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = MAX_LINE_TOK
         if found is not None:
             return found
         corpus, source = _read_folder(folder, files, max_line_tokens, show)
-        store.save(source, {s: corpus.sentences(s) for s in SPLITS}, corpus.vocab.itos)
+        try:
+            store.save(source, {s: corpus.sentences(s) for s in SPLITS}, corpus.vocab.itos)
+        except OSError as e:            # a full disk or a quota: the corpus is read all the same
+            print(f"mpedu: note: could not write the cache in {store.folder} ({e.strerror or e}); the corpus was "
+                  "read, and will be read again next time", file=sys.stderr)
+            return corpus
         corpus.cache = "built"
         return corpus
 
