@@ -117,7 +117,8 @@ def main(argv=None):
                 rows.append(row)
                 print(f"{size / 1e6:>6.0f}MB {run['tokens']:>13,} {array / 1e6:>9.0f} MB {load:>6} "
                       f"{run['load_s']:>4.1f}s {run['first_step_s']:>9.2f}s {row['seconds_per_mb']:>7.4f} "
-                      f"{run['peak_rss'] / 1e6:>6.0f} MB {run['corpus_rss'] / 1e6:>6.0f} MB {row['corpus_per_array']:>7.2f}x")
+                      f"{run['peak_rss'] / 1e6:>6.0f} MB {run['corpus_rss'] / 1e6:>6.0f} MB "
+                      f"{row['corpus_per_array']:>7.2f}x")
             shutil.rmtree(folder)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -295,13 +295,11 @@ class StreamIterator:
         return math.ceil(self.steps / self.bptt)
 
     def __iter__(self):
-        N, B = len(self._ids), self.batch_size
+        N, streams = len(self._ids), np.arange(self.batch_size) * self.steps   # where each stream starts
         for t in range(0, self.steps, self.bptt):
             T = min(self.bptt, self.steps - t)                         # bptt, except perhaps the last window
-            at = np.arange(B)[None, :] * self.steps + t + np.arange(T)[:, None]   # (T, B) positions in ids
-            inside = at < N                                             # the end of the last stream is padding
-            targets = np.where(inside, self._ids[np.minimum(at, N - 1)], PAD_ID).astype(np.int64)
-            before = np.where(at > 0, self._ids[np.clip(at - 1, 0, N - 1)], EOS_ID)   # the corpus starts after <eos>
-            inputs = np.where(inside, before, PAD_ID).astype(np.int64)
-            targets = torch.from_numpy(targets)
-            yield Batch(torch.from_numpy(inputs), targets, targets != PAD_ID, bucket=self.bptt, carry_state=True)
+            starts = streams + t                                       # each stream's window: a piece of it
+            lengths = np.clip(N - starts, 0, T)                        # the end of the last stream is padding
+            first = np.where(starts > 0, self._ids[np.clip(starts - 1, 0, N - 1)], EOS_ID)  # the corpus follows <eos>
+            inputs, targets = _inputs_and_targets(self._ids, starts, lengths, first, T)
+            yield Batch(inputs, targets, targets != PAD_ID, bucket=self.bptt, carry_state=True)

@@ -142,7 +142,7 @@ def read_sentences(path, max_line_tokens: int = MAX_LINE_TOKENS) -> list[list[st
     return sentences
 
 
-_EMBEDDED: dict[int, tuple] = {}  # seed -> (words, ids), so repeated load_corpus() calls are instant
+_EMBEDDED: dict[int, tuple] = {}  # seed -> (vocabulary's words, split -> Sentences): repeated calls are instant
 
 
 def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = MAX_LINE_TOKENS, cache: bool = True,
@@ -160,7 +160,8 @@ def load_corpus(path=None, *, seed: int = 0, max_line_tokens: int = MAX_LINE_TOK
     if path is None:
         if seed not in _EMBEDDED:
             words = synthetic.generate(seed)
-            _EMBEDDED[seed] = _encode_splits({s: enumerate(words[s], 1) for s in SPLITS}, "the embedded corpus")
+            _EMBEDDED[seed] = _encode_splits({s: enumerate(words[s], 1) for s in SPLITS},
+                                             dict.fromkeys(SPLITS, "the embedded corpus"))
         itos, splits = _EMBEDDED[seed]
         return Corpus(Vocabulary(itos), **splits, name=f"embedded(seed={seed})",
                       blank_lines=dict.fromkeys(SPLITS, 0))
@@ -204,21 +205,21 @@ def _corpus_folder(path) -> Path:
     return folder
 
 
-def _encode_splits(lines: dict, where: str | dict) -> tuple[list[str], dict[str, Sentences]]:
+def _encode_splits(lines: dict, where: dict) -> tuple[list[str], dict[str, Sentences]]:
     """(the vocabulary's words, split -> Sentences) of each split's (line number, words) pairs: train first,
-    giving words ids as they come, sorted into the vocabulary's order afterwards; then valid and test."""
-    name = (lambda s: where[s]) if isinstance(where, dict) else (lambda s: where)
-    train, first_seen = encode(lines["train"], None, name("train"))
+    giving words ids as they come, sorted into the vocabulary's order afterwards; then valid and test.
+    where[split] names the split's text in messages."""
+    train, first_seen = encode(lines["train"], None, where["train"])
     itos, new_id = vocab_order(train, first_seen)
     renumber(train.ids, new_id)
     if len(itos) == len(SPECIALS):     # a model needs at least one word besides <pad>, <unk> and <eos>
-        raise CorpusError(f"{name('train')} holds no words besides {', '.join(SPECIALS[1:])} "
+        raise CorpusError(f"{where['train']} holds no words besides {', '.join(SPECIALS[1:])} "
                           f"({train.tokens - len(train):,} tokens), so there is nothing to learn; check that it is "
                           "the right file")
     stoi = {w: i for i, w in enumerate(itos)}
     splits = {"train": train}
     for split in SPLITS[1:]:
-        splits[split] = encode(lines[split], stoi, name(split))[0]
+        splits[split] = encode(lines[split], stoi, where[split])[0]
     return itos, splits
 
 
