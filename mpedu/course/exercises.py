@@ -121,19 +121,14 @@ def _hint(message: str, textbook: str) -> str:
 
 def _run_for_real(schedule, devices: int) -> str:
     """Train one step with the schedule on virtual devices and with one device; compare loss and gradients."""
-    corpus = load_corpus()
-    batch = next(iter(BucketIterator(corpus.train, 2 * schedule.micro_batches, buckets=[12], seed=0)))
-    torch.manual_seed(0)
-    model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab), dropout=0.0)
-    single = copy.deepcopy(model)
-    pipe = Pipeline(model, PLACEMENTS[devices], schedule)
+    setup = _Setup(width=2 * schedule.micro_batches)
+    pipe = Pipeline(setup.model, PLACEMENTS[devices], schedule)
     try:
-        loss = pipe.train_step(batch).loss
+        loss = pipe.train_step(setup.batch).loss
     finally:
         pipe.close()
-    single_loss = SingleDevice(single).train_step(batch).loss
-    worst = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), single.parameters()))
-    if worst <= EXACT and abs(loss - single_loss) <= EXACT * max(1.0, abs(single_loss)):
+    worst = max((p.grad - setup.grads[name]).abs().max().item() for name, p in setup.model.named_parameters())
+    if worst <= EXACT and abs(loss - setup.loss) <= EXACT * max(1.0, abs(setup.loss)):
         return (f"correct: run for real on {devices} virtual devices, the loss and every gradient equal one "
                 f"device's (max difference {worst:.0e})")
     return f"wrong: run for real, the gradients differ from one device's by up to {worst:.1e}"
@@ -156,11 +151,12 @@ def check(exercise: str, *functions) -> Check:
 
 
 class _Setup:
-    """The tiny model cut in two (embed, lstm0 | lstm1, decode), a batch, and one device's loss and gradients."""
+    """The tiny model cut in two (embed, lstm0 | lstm1, decode), a batch of `width` sentences, and one device's
+    loss and gradients."""
 
-    def __init__(self, m: int = 1):
+    def __init__(self, width: int = 8):
         corpus = load_corpus()
-        self.batch = next(iter(BucketIterator(corpus.train, 8, buckets=[12], seed=0)))
+        self.batch = next(iter(BucketIterator(corpus.train, width, buckets=[12], seed=0)))
         torch.manual_seed(0)
         self.model = LSTMLM.from_config("tiny", vocab_size=len(corpus.vocab), dropout=0.0)
         single = copy.deepcopy(self.model)
@@ -296,8 +292,7 @@ def _check_play(play) -> Check:
     threads = {d: {name for name, a in ran if pipe.schedule.stage_devices[a.stage] == d} for d in (0, 1)}
     error = error or next((e for e in failed if not isinstance(e, RuntimeError)), None)   # (not "another failed")
     if error is not None:
-        waited = str(error)
-        lines = [f"not yet: {type(error).__name__}: {waited}"]
+        lines = [f"not yet: {type(error).__name__}: {error}"]
         if isinstance(error, TimeoutError) and (threads[0] & threads[1] or len(set().union(*threads.values())) < 2):
             lines.append("deadlock: both devices' actions ran on one thread, one after the other, so a device waited "
                          "for a hand-off that the same thread would only make later. Give each device its own thread")
