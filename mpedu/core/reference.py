@@ -60,7 +60,7 @@ class ReferencePipeline:
     def train_step(self, batch) -> StepResult:
         self.begin(batch)
         self.play()
-        return StepResult(sum(self.losses.values()), sum(self.losses.values()) * self.tokens, self.tokens)
+        return StepResult(loss := sum(self.losses.values()), loss * self.tokens, self.tokens)   # mean, sum, tokens
 
     def begin(self, batch) -> None:
         """Cut the batch into micro-batches and make the queues a step's hand-offs go through."""

@@ -165,12 +165,6 @@ class Schedule:
         stage_devices: None puts stage d on device d (one stage per line); give it when a device holds
         several stages. micro_batches: None counts them from the actions. The inverse of to_text."""
         from .files import read  # (files reads the text into this module's Schedule)
-        if stage_devices is None:
-            lines = [line for line in text.splitlines() if line.split("#", 1)[0].strip()]
-            stage_devices = list(range(len(lines)))
-            if not stage_devices:
-                raise ScheduleError("the text holds no actions; write one line of actions per device, e.g. "
-                                    "'0F0 0F1 0B0 0B1'")
         return read(text, stage_devices, micro_batches, name=name)
 
     def to_text(self) -> str:

@@ -3,24 +3,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .actions import Action, Schedule
+from .actions import Action, Schedule, ScheduleError
 from .generators import ALIASES, GENERATORS
 
 
-def read(text: str, stage_devices, micro_batches: int | None = None, name: str = "by hand") -> Schedule:
+def read(text: str, stage_devices=None, micro_batches: int | None = None, name: str = "by hand") -> Schedule:
     """A hand-written schedule: one line per device, its actions in order, e.g. for 2 devices
 
         0F0 0F1 0B0 0B1
         1F0 1B0 1F1 1B1
 
     ('#' starts a comment; blank lines are skipped). A stage with W actions has its backward split
-    into B + W; `1F0.1` names time chunk 1. micro_batches: None counts them from the actions.
-    Returned validated (ScheduleError says why not)."""
+    into B + W; `1F0.1` names time chunk 1. stage_devices: None puts stage d on device d, one stage per
+    line. micro_batches: None counts them from the actions. Returned validated (ScheduleError says why not)."""
     rows = []
     for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             rows.append([Action.parse(word) for word in line.replace(",", " ").split()])
+    if stage_devices is None:
+        if not rows:
+            raise ScheduleError("the text holds no actions; write one line of actions per device, e.g. "
+                                "'0F0 0F1 0B0 0B1'")
+        stage_devices = list(range(len(rows)))
     devices = max(stage_devices) + 1
     if len(rows) != devices:
         raise ValueError(f"the schedule {name!r} has {len(rows)} device lines but the placement uses "
