@@ -19,7 +19,7 @@ FOUR = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2:vgpu0 | decode:vgpu1"
 THREE = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2,decode:vgpu2"          # zb1: one stage per device
 # schedule, placement, micro-batches, time chunks: every schedule, with m > 1 (and chunks) somewhere
 SCHEDULES = [("naive", FOUR, 2, 1), ("gpipe", FOUR, 4, 1), ("1f1b", FOUR, 4, 1), ("interleaved", FOUR, 4, 1),
-             ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3)]
+             ("looped_bfs", FOUR, 4, 1), ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3)]
 IDS = [s[0] for s in SCHEDULES]
 P = 0.4          # dropout probability of the tests that use dropout
 

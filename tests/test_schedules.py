@@ -2,7 +2,6 @@
 import math
 
 import pytest
-import torch
 from hypothesis import given, strategies as st
 
 from conftest import FUZZ, make_batch, tiny_model
@@ -288,20 +287,11 @@ def test_looped_bfs_is_pytorchs_order_rank_by_rank(p, m):
         assert [str(a) for a in row if a is not None] == [str(a) for a in ours.actions[rank]], f"rank {rank}"
 
 
-def test_looped_bfs_plays_on_any_placement_and_runs_exactly():
+def test_looped_bfs_plays_on_any_placement():
+    """(Its exactness against one device, dropout included, is in test_exact.py's SCHEDULES.)"""
     from mpedu.predict import simulate
     for stage_devices in ([0, 1], [0, 1, 0, 1], [0, 0, 1, 1]):
         schedule = make("bfs", stage_devices, 4)
         assert schedule.name == "looped_bfs"
         played = simulate(schedule, [1.0] * len(stage_devices))       # no deadlock on any of them
         assert len(played.compute(played.devices[0])) == 2 * 4 * stage_devices.count(0)
-    model, batch = tiny_model(num_layers=2, dropout=0.0), make_batch(B=8)
-    one = tiny_model(num_layers=2, dropout=0.0)
-    one.load_state_dict(model.state_dict())
-    from mpedu.core import SingleDevice
-    ref = SingleDevice(one).train_step(batch).loss
-    round_robin = "embed:vgpu0 | lstm0:vgpu1 | lstm1:vgpu0 | decode:vgpu1"
-    with Pipeline(model, round_robin, "looped_bfs", micro_batches=4) as pipe:
-        assert pipe.train_step(batch).loss == pytest.approx(ref, rel=1e-6)
-    for (name, a), b in zip(one.named_parameters(), model.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
