@@ -1,5 +1,6 @@
 """The checked exercises: a hand-written schedule is validated, simulated, run for real and compared with the
 textbook's, and every typical mistake is named in words."""
+import threading
 import time
 from types import SimpleNamespace
 
@@ -8,6 +9,7 @@ import torch
 
 from mpedu.core import schedules
 from mpedu.course import exercises
+from mpedu.lm import nll_sum
 
 check_schedule, check = exercises.check_schedule, exercises.check
 
@@ -73,7 +75,7 @@ def test_zero_bubble_needs_its_w_actions():
 
 
 def test_gradients_that_differ_from_one_device_are_called_wrong(monkeypatch):
-    monkeypatch.setattr("mpedu.course.exercises.EXACT", 0.0)      # (no valid schedule gives wrong gradients here)
+    monkeypatch.setattr("mpedu.course.exercises.base.EXACT", 0.0)      # (no valid schedule gives wrong gradients here)
     result = check_schedule(text_of("1f1b"))
     assert not result.ok and "wrong: run for real, the gradients differ from one device's by up to" in str(result)
 
@@ -86,10 +88,6 @@ def test_bad_arguments_name_the_choices():
 
 
 # ---- the learner's own code -------------------------------------------------------------------------------
-
-import threading  # noqa: E402
-
-
 
 def right_forward(y):
     return y.detach().requires_grad_()
@@ -111,7 +109,6 @@ def test_the_right_boundary_passes_and_each_mistake_is_named():
 
 
 def test_the_loss_check_names_the_scaling():
-    from mpedu.lm import nll_sum
     assert check("loss", lambda logits, targets, tokens, m: nll_sum(logits, targets) / tokens).ok
     per_micro = check("loss", lambda logits, targets, tokens, m: nll_sum(logits, targets) / (targets != 0).sum())
     assert not per_micro.ok and "the loss is 4" in str(per_micro) and "by the whole batch's tokens" in str(per_micro)
@@ -154,7 +151,7 @@ def test_a_placeholder_is_not_done_yet_and_an_unknown_exercise_is_named():
         raise NotImplementedError
     assert str(check("play", placeholder)).startswith("not done yet")
     assert str(check("boundary")).startswith("not yet: give check('boundary', ...)")
-    with pytest.raises(ValueError, match="exercise 'stage': choose one of boundary, loss, play"):
+    with pytest.raises(ValueError, match="exercise 'stage': choose one of boundary, loss, worker, naive, gpipe, play"):
         check("stage", right_forward)
 
 
@@ -166,3 +163,154 @@ def test_a_prediction_is_judged_and_a_missing_one_is_asked_for():
                                            "than GPipe's\nboth take 15 time units")
     assert str(exercises.judge(None, False, claim, why)).startswith("make your prediction first: is it true that")
     assert "set it to True or False" in str(exercises.judge("yes", False, claim, why))
+
+
+# ---- the loops on two devices: a worker, the naive step, GPipe's step -----------------------------------------
+
+
+@pytest.fixture
+def short_waits(monkeypatch):
+    """A deadlock is named after 1 s instead of 5; and no check leaves a thread behind."""
+    monkeypatch.setattr(exercises.base, "WAIT_S", 1.0)
+    before = set(threading.enumerate())
+    yield
+    assert set(threading.enumerate()) <= before, "a check left a thread running"
+
+
+def worker(inbox):
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        job()
+
+
+def test_the_worker_check_accepts_a_queue_loop_and_names_three_mistakes(short_waits):
+    assert str(check("worker", worker)) == "correct: the worker ran 3 jobs in order on its own thread, and returned at None"
+
+    def never_stops(inbox):
+        while True:
+            job = inbox.get()
+            if job is not None:
+                job()
+
+    def calls_none(inbox):
+        while True:
+            inbox.get()()
+    assert "still waits after the None that ends it" in str(check("worker", never_stops))
+    assert "ran 1 of 3 jobs before it returned: loop" in str(check("worker", lambda inbox: inbox.get()()))
+    assert "called the None that ends it" in str(check("worker", calls_none))
+
+
+def naive0(stage, batch, to_next, from_next):
+    y = stage(batch.inputs)
+    to_next.put(y.detach())
+    torch.autograd.backward(y, from_next.get())
+
+
+def naive1(stage, batch, batch_tokens, from_prev, to_prev):
+    x = from_prev.get().requires_grad_()
+    loss = nll_sum(stage(x), batch.targets) / batch_tokens
+    loss.backward()
+    to_prev.put(x.grad)
+    return loss.item()
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")   # (the mistake itself)
+def test_the_naive_check_runs_each_device_on_its_thread_and_names_the_mistakes(short_waits):
+    right = check("naive", naive0, naive1)
+    assert right.ok and str(right).startswith("correct: the naive step ran each stage's backward on its device")
+
+    def undetached(stage, batch, to_next, from_next):
+        y = stage(batch.inputs)
+        to_next.put(y)
+        torch.autograd.backward(y, from_next.get())
+
+    def no_leaf(stage, batch, batch_tokens, from_prev, to_prev):
+        x = from_prev.get()
+        loss = nll_sum(stage(x), batch.targets) / batch_tokens
+        loss.backward()
+        to_prev.put(x.grad)
+        return loss.item()
+
+    def waits_first(stage, batch, to_next, from_next):
+        y = stage(batch.inputs)
+        grad = from_next.get()              # before sending y: each device waits for the other
+        to_next.put(y.detach())
+        torch.autograd.backward(y, grad)
+    assert "backward ran on device 1's thread for both stages: the boundary is not detached" in str(
+        check("naive", undetached, naive1))
+    assert "device 1 sent None back as a gradient: its input had no .grad" in str(check("naive", naive0, no_leaf))
+    started = time.perf_counter()
+    dead = str(check("naive", waits_first, naive1))
+    assert time.perf_counter() - started < 5
+    assert ("device 0 waited for 1B0, which device 1 never sends, and device 1 for 0F0, which device 0 never sends: "
+            "deadlock, each waits for the other to move first (1 s; device 0 had sent 0 outputs, device 1 0 gradients)"
+            ) in dead
+
+
+def gpipe0(stage, micro_batches, to_next, from_next, zero=True):
+    if zero:
+        stage.zero_grad()
+    outputs = []
+    for mb in micro_batches:
+        outputs.append(stage(mb.inputs))
+        to_next.put(outputs[-1].detach())
+    for y in outputs:
+        torch.autograd.backward(y, from_next.get())
+
+
+def gpipe1(stage, micro_batches, batch_tokens, from_prev, to_prev, own_mean=False):
+    stage.zero_grad()
+    total = 0.0
+    for mb in micro_batches:
+        x = from_prev.get().requires_grad_()
+        tokens = (mb.targets != 0).sum() if own_mean else batch_tokens
+        loss = nll_sum(stage(x), mb.targets) / tokens
+        loss.backward()
+        to_prev.put(x.grad)
+        total += loss.item()
+    return total
+
+
+def test_the_gpipe_check_takes_two_steps_and_names_scaling_zeroing_deadlock_and_a_skipped_micro_batch(short_waits):
+    right = check("gpipe", gpipe0, gpipe1)
+    assert right.ok and str(right).endswith("two steps in a row")
+    own_mean = str(check("gpipe", gpipe0, lambda *a: gpipe1(*a, own_mean=True)))
+    assert own_mean.startswith("the loss is 4x one device's") and "by the whole batch's tokens" in own_mean
+    unzeroed = str(check("gpipe", lambda *a: gpipe0(*a, zero=False), gpipe1))
+    assert unzeroed.startswith("stage 0's gradients after the second step are the first step's plus its own")
+
+    def one_at_a_time(stage, micro_batches, to_next, from_next):    # waits for each gradient before the next F
+        stage.zero_grad()
+        for mb in micro_batches:
+            y = stage(mb.inputs)
+            to_next.put(y.detach())
+            torch.autograd.backward(y, from_next.get())
+
+    def skips_the_last(stage, micro_batches, to_next, from_next):
+        gpipe0(stage, micro_batches[:-1], to_next, from_next)
+
+    def all_forwards_first(stage, micro_batches, batch_tokens, from_prev, to_prev):
+        xs = [from_prev.get().requires_grad_() for _ in micro_batches]
+        losses = [nll_sum(stage(x), mb.targets) / batch_tokens for x, mb in zip(xs, micro_batches)]
+        for x, loss in zip(xs, losses):
+            loss.backward()
+            to_prev.put(x.grad)
+        return sum(loss.item() for loss in losses)
+    assert ("device 0 waited for 1B0, which device 1 never sends, and device 1 for 0F1, which device 0 never sends: "
+            "deadlock") in str(check("gpipe", one_at_a_time, all_forwards_first))
+    skipped = str(check("gpipe", skips_the_last, gpipe1))
+    assert "device 1 waited 1 s for 0F3, which device 0 never sends: its function ended after sending 3" in skipped
+
+
+def test_an_empty_schedule_is_not_done_yet():
+    assert str(check_schedule("\n  # my 1F1B\n")).startswith("not done yet: write your schedule between the quotes")
+
+
+def test_a_loop_placeholder_is_not_done_yet(short_waits):
+    def placeholder(*args):
+        raise NotImplementedError
+    for name, functions in (("worker", [placeholder]), ("naive", [placeholder, naive1]),
+                            ("gpipe", [gpipe0, placeholder])):
+        assert str(check(name, *functions)).startswith("not done yet"), name

@@ -167,9 +167,13 @@ def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
 
     with Pipeline(model, BALANCED, "gpipe", micro_batches=4) as pipe:
         monkeypatch.setattr(Stage, "forward", interrupting)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as interrupted:
             pipe.train_step(batch)
         monkeypatch.undo()
+        # one line for the learner, no chain of worker frames behind it
+        assert str(interrupted.value).startswith("the step was interrupted; the pipeline is ready for the next one")
+        assert "zero the gradients" in str(interrupted.value) and interrupted.value.__cause__ is None
+        assert interrupted.value.__suppress_context__
         model.zero_grad()
         assert pipe.train_step(batch).loss == pytest.approx(ref_loss, rel=1e-6)
 

@@ -7,7 +7,7 @@ from .pipeline import Pipeline
 from .placement import Placement
 from .recompute import parse_recompute, recompute_modes, recomputes
 from .reference import ReferencePipeline
-from .runner import BaseRunner, Runner, StepResult, check_batch, fit_width, fitted
+from .runner import BaseRunner, Runner, StepInterrupted, StepResult, check_batch, fit_width, fitted
 from .schedules import Action, B, F, Schedule, ScheduleError, W, make, one_f_one_b, run_order, wavefront, zb1
 from .single import SingleDevice
 from .stage import Stage, is_recurrent
@@ -16,6 +16,6 @@ from .timeline import ALL_REDUCE, Event, Mark, Timeline, plot_timelines
 __all__ = [
     "Aborted", "Action", "ALL_REDUCE", "B", "BaseRunner", "Event", "F", "Mailbox", "Mark", "Pipeline",
     "Placement", "POLL_NAP_S", "ReferencePipeline", "Runner", "Schedule", "ScheduleError", "SingleDevice",
-    "Stage", "StepResult", "Timeline", "W", "check_batch", "fit_width", "fitted", "is_recurrent",
+    "Stage", "StepInterrupted", "StepResult", "Timeline", "W", "check_batch", "fit_width", "fitted", "is_recurrent",
     "mailbox", "make", "one_f_one_b", "parse_recompute", "plot_timelines", "recompute_modes", "recomputes", "run_order", "schedules", "wavefront", "zb1",
 ]

@@ -20,7 +20,7 @@ from .device_step import DeviceStep, sender_of
 from .mailbox import Aborted, Mailbox
 from .placement import Placement, as_placement
 from .recompute import recompute_modes
-from .runner import BaseRunner, StepResult, check_batch
+from .runner import BaseRunner, StepInterrupted, StepResult, check_batch
 from .schedules import Action, Schedule, ScheduleError
 from .stage import Stage
 from .timeline import Timeline
@@ -227,6 +227,9 @@ class Pipeline(BaseRunner):
                 errors = [f.exception() for f in futures if f.exception() is not None
                           and not isinstance(f.exception(), Aborted)]
                 raise errors[0] if errors else mailbox.failure or RuntimeError("pipeline step aborted")
+        except KeyboardInterrupt:
+            self._clean_up(mailbox, futures)
+            raise StepInterrupted() from None       # one line that says what happened, not 40 of threads
         except BaseException:
             self._clean_up(mailbox, futures)
             raise

@@ -11,6 +11,15 @@ import torch
 from ..lm.data import PAD_ID
 
 
+class StepInterrupted(KeyboardInterrupt):
+    """Ctrl-C (Jupyter's Kernel > Interrupt) stopped a step. Still a KeyboardInterrupt, so whoever stops on
+    Ctrl-C still does; its one line says what a learner needs to know."""
+
+    def __str__(self) -> str:
+        return ("the step was interrupted; the pipeline is ready for the next one. The backwards that ran before "
+                "the interrupt added into .grad: zero the gradients before the next step")
+
+
 @dataclass
 class StepResult:
     """What one training or evaluation step reports; gradients stay in the model."""
