@@ -22,7 +22,8 @@ def test_a_busy_run_is_refused_not_judged():
         line = str(v)
         assert line.startswith("CANNOT SHOW NOW") and "HOLDS" not in line and "DOES NOT HOLD" not in line
         assert f"{cores:.2f} free cores" in line and "take turns" in line
-        assert "\n" not in line
+        assert len(line.splitlines()) == 2 and "what the runs showed, the total work and not the effect: " \
+            "2.00x" in line                            # the verdict's line, then the numbers
 
 
 def test_a_quiet_run_is_judged_both_ways():
@@ -46,7 +47,18 @@ def test_the_ratio_is_the_median_of_rounds_taken_together():
     assert unpaired.ratio == pytest.approx(1.0) and unpaired.held is False
     # the line says which ratio it prints: here the medians (0.3 s, 0.45 s) and the ratio agree, but with
     # three rounds they need not (a notebook printed 78.0 ms against 78.9 ms, and 0.99x)
-    assert "ratio: the median of each round's own" in str(v) and "each round's" not in str(unpaired)
+    first, numbers = str(v).splitlines()
+    assert first == "HOLDS: a beats b: 1.50x (needs >= 1.05x; free cores 2.00)"
+    assert numbers == ("  a 300.0 ms vs b 450.0 ms, medians of 5 rounds in turn; 1.50x is the median of each round's "
+                       "own ratio, the medians' ratio is 1.50x")
+    assert "each round's" not in str(unpaired) and str(unpaired).splitlines()[0].endswith(": 1.00x (needs >= 1.05x; "
+                                                                                          "free cores 2.00)")
+    three = compare("a beats b", {"a": [0.1, 0.2, 0.1], "b": [0.2, 0.3, 0.11]}, "a", "b", cores=2.0)
+    # per round 2.0, 1.5, 1.1: the median 1.5; the medians 0.1 s and 0.2 s: 2.0. Both are printed, each named.
+    assert three.ratio == pytest.approx(1.5) and "1.50x is the median of each round's own ratio, the medians' " \
+        "ratio is 2.00x" in str(three)
+    bigger = compare("x", {"a": [2.0, 3.0, 4.0], "b": [1.0, 1.0, 1.0]}, "a", "b", cores=2.0, smaller_wins=False)
+    assert "3.00x is the median of each round's own ratio, the medians' ratio is 3.00x" in str(bigger)
 
 
 def test_deterministic_claims_need_no_cores():

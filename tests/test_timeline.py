@@ -1,4 +1,6 @@
 """Timeline arithmetic: makespan, busy and idle time, bubble fraction, text and JSON."""
+import dataclasses
+
 import pytest
 
 from mpedu.core import Event, Timeline
@@ -33,6 +35,8 @@ def test_summary_and_round_trip():
     assert "makespan 9000.0 ms, bubble 33.3%" in text
     assert "vgpu:0: busy   6000.0 ms (67%)  0F0 0F1 0B0 0B1" in text
     assert Timeline.from_dict(t.to_dict()).events == t.events
+    chunked = Timeline(t.devices, [dataclasses.replace(e, chunk=k % 2) for k, e in enumerate(t.events)])
+    assert "0F0.0 0F1.1" in chunked.summary()        # with chunks, chunk 0 is written too, as a schedule writes it
 
 
 def test_from_dict_names_an_event_it_cannot_place():

@@ -198,9 +198,10 @@ class Timeline:
         span = self.makespan
         lines = [f"{self.source} timeline: makespan {span * 1e3:.1f} ms, bubble {self.bubble_fraction:.1%}, "
                  f"{len(self.transfers())} transfers, {self.bytes_moved / 1e6:.2f} MB moved"]
+        chunked = any(e.chunk for e in self.compute())        # then chunk 0 is written too: 0F0.0, as schedules do
         for d in self.devices:
             busy = self.busy(d)
-            acts = " ".join(e.label for e in self.compute(d))
+            acts = " ".join(e.label if e.chunk or not chunked else f"{e.label}.0" for e in self.compute(d))
             lines.append(f"  {d:>8}: busy {busy * 1e3:8.1f} ms ({busy / span if span else 0:.0%})  {acts}")
         return "\n".join(lines)
 

@@ -74,7 +74,7 @@ def _fmt(value: float, unit: str) -> str:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The outcome of one claim; `str(v)` is its one-line verdict.
+    """The outcome of one claim; `str(v)` is its verdict: a line with the ratio it is about, a line of numbers.
 
     held is True (HOLDS), False (DOES NOT HOLD) or None (CANNOT SHOW NOW: the
     machine had fewer free cores than the claim needs). ratio is how many times
@@ -95,25 +95,31 @@ class Verdict:
     rounds: int = 1
     tolerance: float | None = None   # set by `within`: the ratio must lie within 1 +- tolerance
     paired: bool = False             # the ratio is the median of each round's own ratio, not of the medians
+    smaller_wins: bool = True        # a time or a size; False: a speed-up or a rate
 
     @property
     def status(self) -> str:
         return {True: "HOLDS", False: "DOES NOT HOLD", None: "CANNOT SHOW NOW"}[self.held]
 
     def __str__(self) -> str:
+        """Two lines: the verdict and the ratio it is about; then the numbers that ratio comes from."""
         need = (f"within {self.tolerance:.0%} of 1" if self.tolerance is not None else f">= {self.margin:.2f}x")
         numbers = (f"{self.faster} {_fmt(self.faster_value, self.unit)} vs {self.slower} "
-                   f"{_fmt(self.slower_value, self.unit)}: {self.ratio:.2f}x (needs {need}"
-                   + (f"; times: medians of {self.rounds} rounds in turn, ratio: the median of each round's "
-                      "own, which the medians' ratio may not match)" if self.paired else
-                      f", medians of {self.rounds} rounds in turn)" if self.rounds > 1 else ")"))
+                   f"{_fmt(self.slower_value, self.unit)}" + (f", medians of {self.rounds} rounds in turn"
+                                                              if self.rounds > 1 else ""))
+        if self.paired:          # say which ratio: the medians' own may differ (447.5 vs 511.2 ms and 1.23x)
+            a, b = (self.slower_value, self.faster_value) if self.smaller_wins else (self.faster_value,
+                                                                                       self.slower_value)
+            medians = a / b if b else float("nan")
+            numbers += (f"; {self.ratio:.2f}x is the median of each round's own ratio, the medians' ratio "
+                        f"is {medians:.2f}x")
         cores = "" if self.needs_cores <= 0 or self.cores is None else f"; free cores {self.cores:.2f}"
         if self.held is None:
             return (f"CANNOT SHOW NOW: {self.claim} (only {self.cores:.2f} free cores measured, needs "
                     f"{self.needs_cores:.2f}: other programs are using a core, so the two virtual devices "
-                    f"take turns instead of running at once, and the numbers ({numbers}) show the total work, "
-                    "not the effect; run again on a quieter machine)")
-        return f"{self.status}: {self.claim} ({numbers}{cores})"
+                    "take turns instead of running at once; run again on a quieter machine)\n"
+                    f"  what the runs showed, the total work and not the effect: {self.ratio:.2f}x ({numbers})")
+        return f"{self.status}: {self.claim}: {self.ratio:.2f}x (needs {need}{cores})\n  {numbers}"
 
     def to_dict(self) -> dict:
         return {"claim": self.claim, "status": self.status, "held": self.held, "faster": self.faster,
@@ -166,7 +172,7 @@ def compare(claim: str, times: Mapping[str, float | Sequence[float]], faster: st
     cores = _cores_now(cores, needs_cores)
     held = None if needs_cores > 0 and cores < needs_cores else ratio >= margin
     return Verdict(claim, held, faster, slower, statistics.median(a), statistics.median(b), ratio, margin,
-                   cores, needs_cores, unit, min(len(a), len(b)), paired=paired)
+                   cores, needs_cores, unit, min(len(a), len(b)), paired=paired, smaller_wins=smaller_wins)
 
 
 def within(claim: str, predicted: float, measured: float | Sequence[float], tolerance: float = 0.10,
