@@ -455,3 +455,33 @@ def _raised(call):
     except Exception as e:
         return e
     return None
+
+
+def test_the_middle_of_a_v_shape_hands_off_on_its_device_for_free(batch):
+    """Stages 1 and 2 of a V share vgpu1: their hand-off crosses no link, in the step as in the prediction."""
+    from mpedu.predict import simulate
+    model = tiny_model()
+    v = "embed:vgpu0 | lstm0:vgpu1 | lstm1:vgpu1 | lstm2,decode:vgpu0"
+    with Pipeline(model, v, "gpipe", micro_batches=4, link="10gbe/100") as pipe:
+        timeline = pipe.train_step(batch).timeline
+        assert pipe.placement.stage_devices == [0, 1, 1, 0]
+    sends = [(e.stage, e.device, e.peer) for e in timeline.transfers()]
+    assert all(device != peer for _, device, peer in sends)
+    # 2 cuts between devices (stages 0|1 and 2|3) x 2 directions x 4 micro-batches; none from stage 1 to 2
+    assert len(sends) == 16 and {s for s, _, _ in sends} == {0, 1, 2, 3}
+    assert not any(s == 1 and device == "vgpu:1" and peer == "vgpu:1" for s, device, peer in sends)
+    assert len(simulate(pipe.schedule, [1e-3] * 4, link="10gbe/100").transfers()) == 16
+
+
+def test_tied_weights_train_exactly_where_a_v_shape_puts_embed_and_decode_together(batch):
+    """The V shape's first and last stage share device 0: a tied embedding and decoder may sit there, as on one
+    device; dealt to two devices they are refused."""
+    model = tiny_model(embed_size=64, hidden_size=64, tie_weights=True)
+    ref_loss, ref_grads = reference(model, batch)
+    with Pipeline(model, "embed:vgpu0 | lstm0:vgpu1 | lstm1:vgpu1 | lstm2,decode:vgpu0", "gpipe",
+                  micro_batches=4) as pipe:
+        assert pipe.train_step(batch).loss == pytest.approx(ref_loss, rel=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="tied weights: embed .* and decode .* share one weight matrix"):
+        Pipeline(model, "embed,lstm0:vgpu0 | lstm1,lstm2,decode:vgpu1", "gpipe", micro_batches=4)

@@ -107,3 +107,43 @@ def test_placement_parse_gives_a_value_error_for_a_bare_device_number():
     """Regression: Placement.parse(':0') raised IndexError from deep inside."""
     with pytest.raises(ValueError, match="names no layers"):
         Placement.parse(":0", tiny_model())
+
+
+# ---- the V shape: two stages of one device ----------------------------------------------------------------------
+
+def test_two_groups_on_one_device_are_two_stages_and_print_back(model):
+    text = "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu1 | lstm3,decode:vgpu0"
+    v = Placement.parse(text, model)
+    assert v.stage_devices == [0, 1, 1, 0] and [names for _, names in v.stages] == [
+        ["embed", "lstm0"], ["lstm1"], ["lstm2"], ["lstm3", "decode"]]
+    assert str(v) == text and Placement.parse(str(v), model) == v
+    # the same layers on the same devices without the cut are another placement: one stage on vgpu1
+    merged = Placement.parse("embed,lstm0:vgpu0 | lstm1-2:vgpu1 | lstm3,decode:vgpu0", model)
+    assert merged.stage_devices == [0, 1, 0] and merged != v and merged.assignment == v.assignment
+
+
+def test_v_shape_goes_down_the_devices_and_back(model):
+    v = Placement.v_shape(model, 2)                      # 6 layers, 4 stages: 2 + 2 + 1 + 1
+    assert v.stage_devices == [0, 1, 1, 0] and str(v) == "embed,lstm0:vgpu0 | lstm1-2:vgpu1 | lstm3:vgpu1 | decode:vgpu0"
+    assert v == Placement.parse(str(v), model)
+    three = Placement.v_shape(model, 3)
+    assert three.stage_devices == [0, 1, 2, 2, 1, 0] and three.stages[0][1] == ["embed"]
+    assert three.stages[-1] == (get_device("vgpu0"), ["decode"])   # embed and decode share device 0
+    custom = Placement.v_shape(model, 2, sizes=[1, 1, 1, 3])
+    assert [len(names) for _, names in custom.stages] == [1, 1, 1, 3]
+
+
+@pytest.mark.parametrize("devices, sizes, message", [
+    (4, None, "a V shape on 4 devices has 8 stages of at least one layer each, 6 layers in all; got sizes "
+              r"\[1, 1, 1, 1, 1, 1, 0, 0\] \(the model has only 6 layers\)"),
+    (2, [2, 2, 2], "a V shape on 2 devices has 4 stages"),
+    (2, [3, 3, 0, 0], "got sizes"),
+    (2, [1, 1, 1, 1], "6 layers in all")])
+def test_v_shape_refusals_say_what_it_needs(model, devices, sizes, message):
+    with pytest.raises(ValueError, match=message):
+        Placement.v_shape(model, devices, sizes=sizes)
+
+
+def test_a_cut_must_be_a_layer_after_the_first(model):
+    with pytest.raises(ValueError, match=r"cuts \['embed'\] are not layers after the first"):
+        Placement(model.layer_names, {n: "vgpu0" for n in model.layer_names}, cuts=["embed"])

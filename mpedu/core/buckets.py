@@ -56,6 +56,8 @@ def transfer_time(pipe, batch) -> float:
     itemsize = next(pipe.model.parameters()).element_size()
     config, routes = pipe.model.config, {}
     for here, there in zip(pipe.stages, pipe.stages[1:]):
+        if here.device == there.device:          # two stages of one device (a V shape): nothing travels
+            continue
         width = config.embed_size if here.names[-1] == "embed" else config.hidden_size
         nbytes = T * -(-B // pipe.micro_batches) * width * itemsize * pipe.micro_batches   # all micro-batches
         for route in ((here.device.name, there.device.name), (there.device.name, here.device.name)):

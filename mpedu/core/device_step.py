@@ -101,8 +101,11 @@ class DeviceStep:
         self.note(new_mark(("W", a.stage, a, start, mark(), 0, "", -held)))
 
     def send(self, tensor: torch.Tensor, kind: str, dst: int, a) -> None:
-        """Hand `tensor` from a's stage to stage `dst` (always on another device). The receiver detaches
-        it (Stage.forward); a gradient has no graph."""
+        """Hand `tensor` from a's stage to stage `dst`. The receiver detaches it (Stage.forward); a gradient
+        has no graph. Between two stages of one device (the V shape's middle) nothing travels: no link, no mark."""
+        if self.stages[dst].device.name == self.device.name:
+            self.mailbox.put((kind, dst, a.mb, a.chunk), (tensor, None))     # (what arrives, no event to wait)
+            return
         mark = self.mark
         start = mark()
         moved = self.copies.send(tensor, dst)      # on virtual devices: the tensor itself, shared memory

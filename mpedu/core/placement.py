@@ -20,10 +20,16 @@ class Placement:
 
     Consecutive layers on one device form a stage. A device may hold several stages
     (e.g. `lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu0`): allowed, at the price of more
-    transfers. Build one with `parse`, `from_dict`, `even` or `single`.
+    transfers. Two groups of a written placement are two stages even on one device: the V shape of
+    `v_shape` puts stages r and 2p - 1 - r on device r, so the middle two share the last device:
+
+        embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu1 | lstm3,decode:vgpu0      stage devices 0 1 1 0
+
+    (`cuts`: the layers that start a stage although the layer before is on the same device.)
+    Build one with `parse`, `from_dict`, `even`, `single` or `v_shape`.
     """
 
-    def __init__(self, layer_names: Iterable[str], assignment: Mapping[str, Device | str]):
+    def __init__(self, layer_names: Iterable[str], assignment: Mapping[str, Device | str], cuts: Iterable[str] = ()):
         self.layer_names = list(layer_names)
         unknown = [name for name in assignment if name not in self.layer_names]
         if unknown:
@@ -37,6 +43,11 @@ class Placement:
         if not self.layer_names:
             raise ValueError("the model has no layers to place")
         self.assignment = {name: get_device(assignment[name]) for name in self.layer_names}
+        cuts = set(cuts)
+        if not cuts <= set(self.layer_names[1:]):
+            raise ValueError(f"cuts {sorted(cuts - set(self.layer_names[1:]))} are not layers after the first; a cut "
+                             "names the layer a stage starts at")
+        self.cuts = frozenset(cuts)
 
     # -- constructors ---------------------------------------------------------------
     @classmethod
@@ -48,13 +59,19 @@ class Placement:
         if not text.strip():
             raise ValueError("empty placement: write groups like 'embed,lstm0:vgpu0 | lstm1,decode:vgpu1'")
         assignment: dict[str, str] = {}
-        for names, device in read_groups(text, limit=len(model.layer_names)):
+        group_of: dict[str, int] = {}
+        for k, (names, device) in enumerate(read_groups(text, limit=len(model.layer_names))):
             for name in names:
                 if name in assignment:
                     raise ValueError(f"layer {_shown(name)} is placed twice ({_shown(assignment[name])} and "
                                      f"{_shown(device)}); give each layer one device")
-                assignment[name] = device
-        return cls(model.layer_names, assignment)
+                assignment[name], group_of[name] = device, k
+        placement = cls(model.layer_names, assignment)
+        # a layer whose neighbour before it sits on its device in another group starts a stage of its own
+        names = model.layer_names
+        cuts = [b for a, b in zip(names, names[1:]) if a in group_of and b in group_of and group_of[a] != group_of[b]
+                and placement.assignment[a] == placement.assignment[b]]
+        return cls(names, assignment, cuts) if cuts else placement
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Device | str], model) -> "Placement":
@@ -83,6 +100,30 @@ class Placement:
     def single(cls, model, device: Device | str = "vgpu:0") -> "Placement":
         return cls(model.layer_names, {name: device for name in model.layer_names})
 
+    @classmethod
+    def v_shape(cls, model, devices: int | Iterable, sizes: list[int] | None = None) -> "Placement":
+        """2p stages on p devices, stage s on device min(s, 2p - 1 - s): down the devices and back, so the
+        first and the last stage (embed and decode) share device 0. `sizes`: the layers of each stage, in model
+        order (default: as even as `even` would cut 2p stages)."""
+        devs = device_list(devices)
+        names, p = model.layer_names, len(devs)
+        if sizes is None:
+            q, r = divmod(len(names), 2 * p)
+            sizes = [q + (1 if k < r else 0) for k in range(2 * p)]
+        if len(sizes) != 2 * p or any(not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != len(names):
+            raise ValueError(f"a V shape on {p} devices has {2 * p} stages of at least one layer each, "
+                             f"{len(names)} layers in all; got sizes {sizes}"
+                             + (f" (the model has only {len(names)} layers)" if len(names) < 2 * p else ""))
+        assignment, cuts, start = {}, [], 0
+        for s, size in enumerate(sizes):
+            for name in names[start:start + size]:
+                assignment[name] = devs[min(s, 2 * p - 1 - s)]
+            if s:
+                cuts.append(names[start])
+            start += size
+        first = [names[k] for k in range(1, len(names)) if assignment[names[k]] == assignment[names[k - 1]]]
+        return cls(names, assignment, [c for c in cuts if c in first])
+
     # -- checks ---------------------------------------------------------------------
     def check_tied_weights(self, model) -> None:
         """Refuse a weight used by layers on two devices (tied embedding and decoder): each device would
@@ -103,7 +144,7 @@ class Placement:
         runs: list[tuple[Device, list[str]]] = []
         for name in self.layer_names:
             dev = self.assignment[name]
-            if runs and runs[-1][0] == dev:
+            if runs and runs[-1][0] == dev and name not in self.cuts:
                 runs[-1][1].append(name)
             else:
                 runs.append((dev, [name]))
@@ -129,7 +170,7 @@ class Placement:
         return f"Placement({str(self)!r})"
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Placement) and self.assignment == other.assignment
+        return isinstance(other, Placement) and self.assignment == other.assignment and self.cuts == other.cuts
 
 
 def read_groups(text: str, limit: int | None = None) -> list[tuple[list[str], str]]:
