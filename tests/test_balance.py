@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import tiny_model
-from mpedu.predict import Costs, balance, balance_by_params, balance_by_time, to_placement
+from mpedu.predict import Costs, balance, balance_by_params, balance_by_time, balance_v, balance_v_by_time, to_placement
 
 
 def splits(n, p):
@@ -92,3 +92,45 @@ def test_balance_by_params_and_by_time_build_placements():
         "embed,lstm0:vgpu1 | lstm1-2,decode:vgpu0", model)
     with pytest.raises(ValueError, match="tie"):
         balance_by_params(tiny_model(embed_size=64, tie_weights=True), 2)
+
+
+# ---- the V shape: device r holds stages r and 2p - 1 - r ---------------------------------------------------------
+
+def v_loads(costs, sizes):
+    """Each device's work when stage s of `sizes` sits on device min(s, 2p - 1 - s), told stage by stage."""
+    p, loads, at = len(sizes) // 2, {}, 0
+    for s, size in enumerate(sizes):
+        loads[min(s, 2 * p - 1 - s)] = loads.get(min(s, 2 * p - 1 - s), 0) + sum(costs[at:at + size])
+        at += size
+    return loads
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=4, max_size=9), st.integers(1, 3))
+def test_a_v_balance_is_the_best_of_every_v_split(costs, p):
+    if 2 * p > len(costs):
+        with pytest.raises(ValueError, match=f"a V shape on {p} devices needs {2 * p} stages"):
+            balance_v(costs, p)
+        return
+    sizes = balance_v(costs, p)
+    assert len(sizes) == 2 * p and sum(sizes) == len(costs) and min(sizes) >= 1
+    best = min(max(v_loads(costs, c).values()) for c in splits(len(costs), 2 * p))
+    assert max(v_loads(costs, sizes).values()) == best
+
+
+def test_a_v_balance_puts_heavy_ends_together_and_keeps_tied_weights():
+    model = tiny_model(num_layers=4, embed_size=64, hidden_size=64, tie_weights=True)   # embed, lstm0-3, decode
+    n = len(model.layer_names)
+    costs = Costs(model.layer_names, [0.1, 1, 1, 1, 1, 2.0], [0.2, 2, 2, 2, 2, 4.0], [1] * n, [1] * n,
+                  [100] * n, [10] * n, [50] * n, [0] * n, (9, 8))        # activations, outputs, weights: bytes
+    v = balance_v_by_time(model, None, ["vgpu:0", "vgpu:1"], costs=costs)
+    assert v.stage_devices == [0, 1, 1, 0] and v.stages[0][1][0] == "embed" and v.stages[-1][1][-1] == "decode"
+    loads = v_loads([f + b for f, b in zip(costs.forward, costs.backward)], [len(names) for _, names in v.stages])
+    assert max(loads.values()) == pytest.approx(9.3)       # device 0 holds both ends: 0.3 + 3 + 6 at best
+    with pytest.raises(ValueError, match=r"no V shape of 6 layers over 2 devices keeps every device within "
+                                         r"memory_cap=1 under gpipe with 1 micro-batch: the smallest footprint is"):
+        balance_v_by_time(model, None, ["vgpu:0", "vgpu:1"], costs=costs, memory_cap=1)
+    roomy = balance_v_by_time(model, None, ["vgpu:0", "vgpu:1"], costs=costs, memory_cap="1GB")
+    assert roomy == v                                        # a cap that binds nothing changes nothing
+    with pytest.raises(ValueError, match="tie"):                 # a line cannot keep them together
+        balance_by_time(model, None, ["vgpu:0", "vgpu:1"], costs=costs)

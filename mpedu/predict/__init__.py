@@ -9,7 +9,7 @@ from .costcurve import CostCurve, profile_curve
 from .costmodel import GPUSpec, gpu_costs, layer_times
 from .footprint import device_footprints, param_sizes, peak_held, stage_footprint, unit_bytes
 from .memory import DeviceMemory, MemoryReport, measured_peak, memory_report
-from .partition import balance, balance_by_params, balance_by_time, to_placement
+from .partition import balance, balance_by_params, balance_by_time, balance_v, balance_v_by_time, to_placement
 from .planner import RECOMPUTE, SCHEDULES, plan, plan_buckets, predict, search_shapes
 from .plans import Candidate, PlanStopped
 from .profiling import Costs, StageCost, profile
@@ -18,7 +18,7 @@ from .simulator import peak_in_flight, predict_epoch, simulate
 
 __all__ = [
     "Candidate", "CostCurve", "Costs", "DeviceMemory", "GPUSpec", "Measurement", "MemoryCapError", "MemoryGuard",
-    "MemoryReport", "PlanStopped", "RECOMPUTE", "SCHEDULES", "StageCost", "balance", "balance_by_params", "balance_by_time", "cap_memory", "device_footprints",
+    "MemoryReport", "PlanStopped", "RECOMPUTE", "SCHEDULES", "StageCost", "balance", "balance_by_params", "balance_by_time", "balance_v", "balance_v_by_time", "cap_memory", "device_footprints",
     "fit_link", "gpu_costs", "held_units", "kendall_tau", "layer_times", "measure", "measure_cores",
     "measured_peak", "memory_estimate", "memory_floor", "memory_report", "param_sizes", "peak_held",
     "peak_in_flight", "plan", "plan_buckets", "planner", "predict", "predict_epoch", "profile",

@@ -1,6 +1,7 @@
 """Optimal partitioning: cut the layer list into p contiguous stages so the slowest stage is as fast as possible."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from ..core import schedules
@@ -185,6 +186,79 @@ def balance_by_time(model, batch, devices, micro_batches: int = 1, memory_cap: f
                          "raise the cap" + (" or use more devices" if recomputing else
                                             ", use more devices, or recompute activations (recompute='all')"))
     return to_placement(model, found[1], devs)
+
+
+V_CANDIDATES_MAX = 2_000_000     # cut choices a V balance tries one by one (the course's models: under 100,000)
+
+
+def balance_v(costs_per_layer: Sequence[float], p: int, names: Sequence[str] | None = None,
+              fits=lambda sizes: True) -> list[int]:
+    """Layer counts of the 2p stages of a V shape (stage s on device min(s, 2p - 1 - s)), e.g. [2, 1, 1, 2]:
+    the split whose busiest device, stage r and stage 2p - 1 - r together, is the least busy. A device's two
+    stages are not neighbours, so the contiguous dynamic program of `balance` does not apply; every choice of
+    the 2p - 1 cuts is tried, cheapest first while `fits(sizes)` says no (a memory cap)."""
+    from itertools import combinations
+    n = len(costs_per_layer)
+    names = list(names) if names is not None else [f"layer {k}" for k in range(n)]
+    _check(costs_per_layer, "costs_per_layer", names)
+    if not isinstance(p, int) or p < 1 or 2 * p > n:
+        raise ValueError(f"a V shape on {p!r} devices needs {2 * p if isinstance(p, int) else 'twice as many'} "
+                         f"stages of at least one layer, and the model has {n} layers: use p <= {n // 2}")
+    count = math.comb(n - 1, 2 * p - 1)
+    if count > V_CANDIDATES_MAX:
+        raise ValueError(f"a V shape of {n} layers on {p} devices has {count:,} ways to cut: too many to try; "
+                         "write the sizes by hand (Placement.v_shape(model, devices, sizes=...))")
+    S = [0.0]
+    for c in costs_per_layer:
+        S.append(S[-1] + c)
+
+    def cost(cuts) -> float:
+        bounds = (0, *cuts, n)
+        stage = [S[b] - S[a] for a, b in zip(bounds, bounds[1:])]
+        return max(stage[r] + stage[2 * p - 1 - r] for r in range(p))
+
+    ranked = sorted(combinations(range(1, n), 2 * p - 1), key=cost)
+    for cuts in ranked:
+        bounds = (0, *cuts, n)
+        sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+        if fits(sizes):
+            return sizes
+    raise ValueError(f"no V shape of {n} layers over {p} devices fits")
+
+
+def balance_v_by_time(model, batch, devices, micro_batches: int = 1, memory_cap: float | None = None,
+                      costs: Costs | None = None, schedule: str = "gpipe", recompute=None,
+                      optimizer_bytes_per_param: float = 0.0, **profile_args) -> Placement:
+    """`balance_by_time` for the V shape (Placement.v_shape): 2p stages, device r holding stages r and 2p - 1 - r,
+    the busiest device as little busy as possible; with `memory_cap`, the fastest whose every device's footprint
+    under `schedule` (device_footprints: the step's peak, both stages together) fits. Tied embed and decode
+    weights are fine: both sit on device 0."""
+    from .footprint import device_footprints
+    devs = _devices(devices)
+    if costs is None:
+        costs = profile(model, batch, devs[0], micro_batches=micro_batches, **profile_args)
+    time_per_layer = [f + b for f, b in zip(costs.forward, costs.backward)]
+    cap = None if memory_cap is None else parse_size(memory_cap)
+    need = {}
+
+    def fits(sizes) -> bool:
+        if cap is None:
+            return True
+        placement = Placement.v_shape(model, devs, sizes)
+        plan = schedules.make(schedule, placement.stage_devices, micro_batches)
+        need[tuple(sizes)] = max(f.total for f in device_footprints(costs, placement, plan, recompute=recompute,
+                                 optimizer_bytes_per_param=optimizer_bytes_per_param))
+        return not _over(need[tuple(sizes)], cap)
+    try:
+        sizes = balance_v(time_per_layer, len(devs), costs.names, fits)
+    except ValueError as e:
+        if not need:
+            raise
+        raise ValueError(f"no V shape of {len(costs.names)} layers over {len(devs)} devices keeps every device "
+                         f"within memory_cap={_size(cap)} under {schedule} with {micro_batches} micro-batch"
+                         f"{'es' if micro_batches != 1 else ''}: the smallest footprint is {_size(min(need.values()))};"
+                         " raise the cap, use more micro-batches, or recompute activations") from e
+    return Placement.v_shape(model, devs, sizes)
 
 
 def balance_by_params(model, devices) -> Placement:
