@@ -20,8 +20,9 @@ THREE = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2,decode:vgpu2"          # zb1: one s
 V = "embed:vgpu0 | lstm0:vgpu1 | lstm1:vgpu1 | lstm2,decode:vgpu0"  # a V: stages 1 and 2 share vgpu1, 0 and 3 vgpu0
 # schedule, placement, micro-batches, time chunks: every schedule, with m > 1 (and chunks) somewhere
 SCHEDULES = [("naive", FOUR, 2, 1), ("gpipe", FOUR, 4, 1), ("1f1b", FOUR, 4, 1), ("interleaved", FOUR, 4, 1),
-             ("looped_bfs", FOUR, 4, 1), ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3), ("gpipe", V, 4, 1)]
-IDS = [s[0] + ("-v" if s[1] == V else "") for s in SCHEDULES]
+             ("looped_bfs", FOUR, 4, 1), ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3), ("gpipe", V, 4, 1),
+             ("zbv", V, 4, 1), ("dualpipev", V, 4, 1), ("zb_cap2", THREE, 4, 1), ("zb_cap1", V, 2, 1)]
+IDS = [s[0] + ("-v" if s[1] == V and s[0] not in ("zbv", "dualpipev") else "") for s in SCHEDULES]
 P = 0.4          # dropout probability of the tests that use dropout
 
 

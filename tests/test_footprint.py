@@ -13,8 +13,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # see conftest.one_thread
 
 FOUR = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2:vgpu0 | decode:vgpu1"
 THREE = "embed:vgpu0 | lstm0-1:vgpu1 | lstm2,decode:vgpu2"
+V = "embed:vgpu0 | lstm0:vgpu1 | lstm1:vgpu1 | lstm2,decode:vgpu0"      # stages 0 and 3 on vgpu0, 1 and 2 on vgpu1
 SCHEDULES = [("naive", FOUR, 2, 1), ("gpipe", FOUR, 4, 1), ("1f1b", FOUR, 4, 1), ("interleaved", FOUR, 4, 1),
-             ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3)]
+             ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3), ("zbv", V, 4, 1), ("dualpipev", V, 4, 1),
+             ("zb_cap2", THREE, 4, 1), ("zb_cap1", V, 4, 1)]
 
 
 @pytest.mark.parametrize("recompute", [None, "all", "all-but-last"])
@@ -141,7 +143,7 @@ def test_zero_bubble_holds_a_micro_batch_until_its_w():
     assert peak_held(row, ones, split={0}) == (3, 3)
     assert peak_held(row, ones) == (2, 2)           # fused backward: B frees it
     # and from its B to its W, the gradient of its output too (W starts from it again)
-    assert peak_held(row, ones, split={0}, grad_bytes=lambda stage: 0.5) == (3.5, 3)
+    assert peak_held(row, ones, split={0}, grad_bytes=lambda stage, mb: 0.5) == (3.5, 3)
 
 
 def test_a_zero_bubble_step_holds_each_outputs_gradient_from_b_to_w():

@@ -59,6 +59,9 @@ class Schedule:
     actions: list[list[Action]]
     chunks: int = 1
     split_backward: frozenset[int] = field(default_factory=frozenset)  # stages whose backward is B + W
+    # (device, k): the F at actions[device][k] and the B after it are one overlapped pair (DualPipeV's OVERLAP_F_B):
+    # on a GPU one's compute would hide the other's transfers; a device here runs them one after the other
+    overlapped: frozenset[tuple[int, int]] = field(default_factory=frozenset)
     _checked: int | None = field(default=None, init=False, repr=False, compare=False)  # what validate() passed
 
     @property
@@ -135,6 +138,14 @@ class Schedule:
                         if Action(kind, s, i, c) not in seen:
                             raise ScheduleError(f"{Action(kind, s, i, c)} is missing: every stage needs "
                                                 f"{' and '.join(kinds)} for every micro-batch\n{self.grid()}")
+        for d, k in sorted(self.overlapped):
+            row = self.actions[d] if isinstance(d, int) and 0 <= d < p else []
+            pair = row[k:k + 2] if isinstance(k, int) and k >= 0 else []
+            if len(pair) != 2 or pair[0].kind != "F" or pair[1].kind != "B" or pair[0].stage == pair[1].stage:
+                raise ScheduleError(f"overlapped pair (device {d}, position {k}): an overlapped pair is a forward "
+                                    "followed on its device by a backward (B) of another stage, e.g. 0F3 3B1; "
+                                    f"device {d}'s row has {' '.join(map(self.label, pair)) or 'no action there'}"
+                                    f"\n{self.grid()}")
         run_order(self)  # raises on deadlock
         self._checked = self._fingerprint()
         return self
@@ -149,7 +160,7 @@ class Schedule:
     def _fingerprint(self) -> int:
         """What validate() checked, as one number (a hash of the rows and counts: cheap next to validating)."""
         return hash((tuple(self.stage_devices), self.micro_batches, self.chunks, frozenset(self.split_backward),
-                     tuple(tuple(row) for row in self.actions)))
+                     frozenset(self.overlapped), tuple(tuple(row) for row in self.actions)))
 
     # -- text ---------------------------------------------------------------------
     @classmethod
@@ -170,6 +181,13 @@ class Schedule:
     def to_text(self) -> str:
         """One line of actions per device, the form from_text reads (and a schedule file holds)."""
         return "\n".join(" ".join(map(self.label, row)) for row in self.actions)
+
+    def to_csv(self) -> str:
+        """PyTorch's compute-only CSV form (what torch.distributed.pipelining's _load_csv reads): a row per
+        device, a cell per action, a split stage's B written I as PyTorch names the input gradient, an
+        overlapped pair one (F;B)OVERLAP_F_B cell. schedules.read_csv is the inverse."""
+        from .files import csv_text  # (files holds PyTorch's file format)
+        return csv_text(self)
 
     # -- printing -----------------------------------------------------------------
     def label(self, a: Action) -> str:
