@@ -33,7 +33,14 @@ FORMULAS = {
     "wavefront": ("(p-1)/(m*c+p-1)", lambda p, m, v, c: (p - 1) / (m * c + p - 1),
                   "m", lambda p, m, v, c, d: m,
                   "2*m*c", lambda p, m, v, c: 2 * m * c),
+    "zbv": ("(p-1)/(6*m+p-1)", lambda p, m, v, c: (p - 1) / (6 * m + p - 1),
+            "p", lambda p, m, v, c, d: p,
+            "2*m", lambda p, m, v, c: 2 * m),
+    "dualpipev": ("(p-1)/(6*m+p-1)", lambda p, m, v, c: (p - 1) / (6 * m + p - 1),
+                  "p+1/2", lambda p, m, v, c, d: p + 1 / 2,
+                  "2*m", lambda p, m, v, c: 2 * m),
 }
+V_SHAPED = ("zbv", "dualpipev")
 
 
 def table_rows() -> dict[str, list[list[str]]]:
@@ -65,12 +72,15 @@ def _simulated(name, p, m, v, c):
         per_stage = 1 / v                                  # a device's layers cut into v stages
     elif name == "wavefront":
         schedule, per_stage = schedules.make(name, list(range(p)), m, chunks=c), 1 / c
+    elif name in V_SHAPED:                                 # 2p stages, half a device's layers each
+        schedule, per_stage = schedules.make(name, list(range(p)) + list(reversed(range(p))), m), 1 / 2
     else:
         schedule, per_stage = schedules.make(name, list(range(p)), m), 1.0
     n = schedule.num_stages
-    timeline = simulate(schedule, [1.0 if name != "interleaved" else per_stage] * n, link=FREE)
+    timeline = simulate(schedule, [1.0 if name not in ("interleaved", *V_SHAPED) else per_stage] * n, link=FREE)
     held = peak_in_flight(timeline, stage_bytes=[per_stage] * n)     # micro-batches: a chunk counts 1/c
-    return timeline, [held[device] for device in timeline.devices], len(timeline.transfers()) / (n - 1)
+    cuts = n - 2 if name in V_SHAPED else n - 1                      # a V's middle hand-off crosses no device
+    return timeline, [held[device] for device in timeline.devices], len(timeline.transfers()) / cuts
 
 
 def _cases():
@@ -78,7 +88,7 @@ def _cases():
     for name in FORMULAS:
         for p in (2, 3, 4, 8):
             for m in (1, 2, 3, 4, 8, 12, 32):
-                if (name == "interleaved" and m % p) or (name == "zb1" and m < p):
+                if (name == "interleaved" and m % p) or (name == "zb1" and m < p) or (name in V_SHAPED and m < 2 * p):
                     continue                               # refused, or outside the formula (see the summary)
                 for v, c in ((2, 2), (3, 4)) if name in ("interleaved", "wavefront") else ((1, 1),):
                     yield name, p, m, v, c
@@ -106,6 +116,16 @@ def test_naive_bubble_does_not_depend_on_balance():
     # A chain: however unequal the stages, the busy times add up to the step.
     timeline = simulate("naive", [1.0, 5.0, 0.5], micro_batches=3, link=FREE)
     assert timeline.bubble_fraction == pytest.approx(2 / 3)
+
+
+def test_zbv_below_2p_micro_batches_is_above_the_formula_and_reads_the_fill_as_the_summary_says():
+    # ZB-V pads to 2p - 1 micro-batches as PyTorch does: with fewer it idles longer than the formula
+    timeline, _, _ = _simulated("zbv", 4, 4, 1, 1)
+    assert timeline.bubble_fraction > FORMULAS["zbv"][1](4, 4, 1, 1)
+    # every device idles p - 1 ticks of 6m + p - 1 at unit costs per V stage
+    v = [0, 1, 2, 3, 3, 2, 1, 0]
+    unit = simulate(schedules.make("zbv", v, 8), [1.0] * 8, link=FREE)
+    assert unit.makespan == 6 * 8 + 4 - 1 and all(unit.idle(d) == 4 - 1 for d in unit.devices)
 
 
 def test_the_two_bubble_definitions_convert_as_the_summary_says():
