@@ -5,7 +5,7 @@ import pytest
 from conftest import fake_costs, make_batch, tiny_model
 from mpedu.predict import memory_estimate, CostCurve, device_footprints, predict_epoch
 from mpedu.predict import RECOMPUTE, SCHEDULES, PlanStopped, plan
-from mpedu.predict.planner import _enumerate, _simulate
+from mpedu.predict.planner import EXTRA_SCHEDULES, _enumerate, _simulate, predict
 
 @pytest.fixture(scope="module")
 def model():
@@ -17,13 +17,13 @@ def curve(model):
     return CostCurve([fake_costs(model.layer_names, 9, b) for b in (1, 2, 4, 8)], [])
 
 
-def _all_simulated(model, batch, curve, p, cores=None):
+def _all_simulated(model, batch, curve, p, cores=None, schedules=SCHEDULES):
     """Brute force: every candidate the planner enumerates, simulated, with its footprint."""
     T, B = batch.inputs.shape
     ms = [m for m in range(1, B + 1) if B % m == 0]
     from mpedu.runtime import get_devices
     out = []
-    for c in _enumerate(model.layer_names, get_devices(p), ms, curve, SCHEDULES, RECOMPUTE, (2, 4), T, B, cores):
+    for c in _enumerate(model.layer_names, get_devices(p), ms, curve, schedules, RECOMPUTE, (2, 4), T, B, cores):
         peak = max(f.total for f in device_footprints(c.costs, c.placement, c.schedule_obj, recompute=c.recompute,
                                                       chunk_costs=c.chunk_costs))
         out.append((c, _simulate(c, None, cores), peak))
@@ -284,3 +284,27 @@ def test_plan_on_no_devices_or_a_text_count_says_what_it_takes(model, curve):
         plan(model, make_batch(), [], costs=curve)
     with pytest.raises(ValueError, match="micro_batches='4': give one whole number"):
         plan(model, make_batch(), 2, costs=curve, micro_batches="4")
+
+
+@pytest.mark.parametrize("p,cores", [(2, None), (2, 1.5)])
+def test_the_v_shapes_and_the_capped_family_are_searched_when_asked_and_their_bounds_hold(model, curve, p, cores):
+    batch = make_batch(T=9, B=8)
+    everything = _all_simulated(model, batch, curve, p, cores, schedules=EXTRA_SCHEDULES)
+    names = {c.schedule_obj.name for c, _, _ in everything}
+    assert names == {"zbv", "dualpipev"} | {f"zb_cap{k}" for k in range(1, 2 * p + 1)}
+    for c, step, peak in everything:
+        assert c.bound <= step * (1 + 1e-9), (c.schedule_obj.name, c.m, str(c.placement))
+        assert c.memory_floor <= peak
+        if c.schedule_obj.name in ("zbv", "dualpipev"):       # on a V: device 0 holds the first and the last stage
+            assert c.placement.stage_devices == [0, 1, 1, 0] and len(c.placement.stages) == 4
+        assert c.schedule_obj.name != "dualpipev" or c.m >= 2 * p
+    plans = plan(model, batch, p, costs=curve, schedules=("1f1b",) + EXTRA_SCHEDULES, cores=cores)
+    assert {c.schedule for c in plans.simulated} & {"zbv", "dualpipev"}     # (the rest pruned by their bounds)
+    for c in plans.front:                                     # each plan predicted again from its own name
+        assert predict(c, curve, 9, 8, cores=cores) == pytest.approx(c.step_s)
+
+
+def test_the_default_search_is_what_the_explorer_offers_and_an_unknown_name_lists_every_schedule(model, curve):
+    assert not set(EXTRA_SCHEDULES) & set(SCHEDULES)
+    with pytest.raises(ValueError, match="unknown schedule 'zbw'; the planner knows naive, .*, zbv, dualpipev, zb_cap"):
+        plan(model, make_batch(T=9, B=8), 2, costs=curve, schedules=("zbw",))

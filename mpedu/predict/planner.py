@@ -42,6 +42,10 @@ from .profiling import Costs, StageCost
 from .simulator import simulate
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1", "wavefront")
+# Searched only when asked for (schedules=...): the explorer, which offers SCHEDULES, cannot draw a V yet.
+# "zb_cap" is zero bubble under a memory cap, every cap from 1 to 2p micro-batches per device (zb_cap1, zb_cap2, ..).
+V_SCHEDULES = ("zbv", "dualpipev")
+EXTRA_SCHEDULES = V_SCHEDULES + ("zb_cap",)
 RECOMPUTE = (None, "all", "all-but-last")
 
 
@@ -100,9 +104,10 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     if bad:
         raise ValueError(f"micro_batches={bad[0]} does not divide the batch width {B}; "
                          f"use divisors such as {[d for d in range(1, B + 1) if B % d == 0]}")
-    unknown = [s for s in schedules if s not in SCHEDULES]
+    unknown = [s for s in schedules if s not in SCHEDULES + EXTRA_SCHEDULES]
     if unknown:
-        raise ValueError(f"unknown schedule {unknown[0]!r}; the planner knows {', '.join(SCHEDULES)}")
+        raise ValueError(f"unknown schedule {unknown[0]!r}; the planner knows "
+                         f"{', '.join(SCHEDULES + EXTRA_SCHEDULES)}")
     for mode in recompute:
         check_mode(mode, "recompute")
     if not schedules or not recompute:
@@ -221,13 +226,23 @@ def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options,
     interleaved = []
     if p > 1 and n >= 2 * p:                            # v = 2 stages per device, dealt round-robin
         interleaved = [([s % p for s in range(2 * p)], counts) for counts in _compositions(n, 2 * p)]
+    v_layouts = []
+    if n >= 2 * p:                                      # the V: stage s on device min(s, 2p - 1 - s)
+        v_layouts = [([min(s, 2 * p - 1 - s) for s in range(2 * p)], counts) for counts in _compositions(n, 2 * p)]
+    # each searched name with its caps: zb_cap stands for zb_cap1 .. zb_cap<2p>
+    searched = [(f"zb_cap{k}" if name == "zb_cap" else name) for name in schedule_names
+                for k in (range(1, 2 * p + 1) if name == "zb_cap" else [None])]
     shapes: dict = {}
     for m in ms:
-        for name in schedule_names:
+        for name in searched:
             if name == "interleaved":
                 if m % p or not interleaved:
                     continue
                 pool, chunk_list = interleaved, [1]
+            elif name in V_SCHEDULES:
+                if not v_layouts or (name == "dualpipev" and m < 2 * p):      # DualPipeV needs m >= 2p
+                    continue
+                pool, chunk_list = v_layouts, [1]
             else:
                 pool, chunk_list = layouts, ([c for c in chunk_options if c <= T] if name == "wavefront" else [1])
             for chunks in chunk_list:
@@ -253,7 +268,10 @@ def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options,
                         stage_costs.append(stage_cache[at, c][0])
                         smallest.append(stage_cache[at, c][1])
                         at += c
-                    placement = Placement(names, {nm: devs[d] for d, g in zip(stage_devices, groups) for nm in g})
+                    # (two neighbouring stages of one device, the V's middle, stay two: a cut between them)
+                    cuts = [g[0] for k, g in enumerate(groups) if k and stage_devices[k] == stage_devices[k - 1]]
+                    placement = Placement(names, {nm: devs[d] for d, g in zip(stage_devices, groups) for nm in g},
+                                          cuts)
                     for rc in recompute:
                         if rc == "all-but-last" and m == 1:
                             continue                    # its one micro-batch is the last: the same as None
