@@ -541,3 +541,21 @@ def test_a_schedule_file_that_cannot_be_read_is_named_with_what_is_wrong(capsys,
     assert main(["train", "--config", "tiny", "--epochs", "1", "--limit-batches", "1", "--no-baselines",
                  "--schedule", str(path), "--out", str(tmp_path / "run")]) == 2
     assert re.search(words, capsys.readouterr().err)
+
+
+def test_a_v_schedule_gets_the_v_placement_by_default_and_a_capped_one_its_cap(capsys, tmp_path):
+    """--schedule zbv (or dualpipev) without --placement cuts the model into the V: device 0 holds embed and decode."""
+    code, out, err = run(capsys, "train", *QUICK, "--schedule", "zbv", "--micro-batches", "4", "--out", str(tmp_path),
+                         "--json")
+    assert code == 0, err
+    summary = last_json(out)
+    assert summary["schedule"] == "zbv"
+    groups = [g.strip() for g in summary["placement"].split("|")]
+    assert len(groups) == 4 and groups[0].startswith("embed") and groups[-1].endswith("decode:vgpu0")
+    assert groups[1].endswith(":vgpu1") and groups[2].endswith(":vgpu1")
+    code, out, err = run(capsys, "train", *QUICK, "--schedule", "ZB-cap2", "--micro-batches", "4", "--out",
+                         str(tmp_path), "--json")
+    assert code == 0 and last_json(out)["schedule"] == "zb_cap2", err
+    code, out, err = run(capsys, "train", *QUICK, "--schedule", "zbv", "--placement",
+                         "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "--out", str(tmp_path))
+    assert code != 0 and "zbv needs the V placement" in err

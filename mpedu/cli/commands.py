@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='layers to devices, e.g. "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"')
     pipe.add_argument("--schedule", default="gpipe",
                       help="pipeline schedule: naive, gpipe, 1f1b, interleaved, looped_bfs, zb1, wavefront (default: "
-                      "gpipe), or a file of your own, one line of actions per device (0F0 0F1 0B0 0B1)")
+                      "gpipe); zbv, dualpipev on the V placement (the default placement for them); zb_cap<k>, zero "
+                      "bubble holding at most k micro-batches per device; or a file of your own, one line of "
+                      "actions per device (0F0 0F1 0B0 0B1), or PyTorch's .csv")
     pipe.add_argument("--micro-batches", type=positive_int, metavar="M",
                       help="micro-batches per batch, at most --batch-size (default: the recipe's; laptop: 8, "
                            "others: 4)")
@@ -142,6 +144,8 @@ def build_runner(model, args):
     from ..runtime.devices import get_devices
     if args.placement is not None:
         placement = Placement.parse(args.placement, model)
+    elif _v_shaped(args.schedule):        # zbv, dualpipev: 2p stages, device r holding stages r and 2p-1-r
+        placement = Placement.v_shape(model, get_devices(args.devices))
     else:
         placement = Placement.even(model, get_devices(args.devices))
     # a hand-written schedule file brings its own micro-batch and chunk counts (--micro-batches, if given, must agree)
@@ -183,13 +187,22 @@ def run_train(args) -> int:
         return _error(str(e))
 
 
+def _v_shaped(schedule) -> bool:
+    """A --schedule that needs the V placement (its default placement is then Placement.v_shape)."""
+    from ..core.schedules import canonical
+    try:
+        return isinstance(schedule, str) and canonical(schedule) in ("zbv", "dualpipev")
+    except ValueError:
+        return False                      # a file, or a name the schedule check will refuse in words
+
+
 def _pipeline_defaults(args, recipe) -> None:
     """The recipe's micro-batches and placement where the command line gave none (see build_parser)."""
     args.micro_batches_given = args.micro_batches is not None
     if args.micro_batches is None:
         args.micro_batches = recipe.micro_batches
     if args.devices is None and args.placement is None:
-        if recipe.placement is not None:
+        if recipe.placement is not None and not _v_shaped(getattr(args, "schedule", None)):
             args.placement = recipe.placement
         else:
             args.devices = 2
