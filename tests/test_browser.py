@@ -4,7 +4,8 @@ change from the kernel during a drag waits for the drag to end; a refused choice
 space; three arrow presses in a row each move a chip; every position of the sliders is accepted; and the time
 from a drop or a slider's release to the new timeline is measured in the browser (printed, never asserted: shared
 machines are noisy). In JupyterLab, a best plan's "apply" puts its placement on the board. MPEDU_SCREENSHOTS=<folder>
-saves the explorer at 1280x720 and 1440x900 there, and the best plans."""
+saves the explorer at 1280x720 and 1440x900 there, and the best plans. Last, in each front end, a small notebook of
+its own steps through a predicted 1F1B step (mpedu.course.step_through) with a click and the → key."""
 import contextlib
 import importlib.util
 import json
@@ -104,8 +105,11 @@ class Server(NamedTuple):
     front_end: "FrontEnd"
     base: str            # http://127.0.0.1:<port>
     token: str
-    state: Path          # the explorer writes what Python sees here (EXPLORER_STATE)
+    state: Path          # the notebook's widget writes what Python sees here (the explorer: EXPLORER_STATE)
     log: Path
+    notebook: str        # the file name of the notebook it serves
+    code_cells: int      # how many code cells it has
+    widget: str          # a CSS selector that matches once the widget is on the page (Voilà: every cell has run)
 
     def get(self, path: str):
         with urllib.request.urlopen(f"{self.base}{path}?token={self.token}", timeout=5) as reply:
@@ -160,7 +164,7 @@ class JupyterLab(FrontEnd):
         # cells out of view, whose innerText is then "". A collapsed cell (the exercise's answer) shows no prompt.
         cells = page.locator(".jp-Notebook .jp-CodeCell")
         prompts = cells.locator(".jp-InputPrompt")
-        _wait_for(lambda: server.state.exists() and cells.count() == CODE_CELLS
+        _wait_for(lambda: server.state.exists() and cells.count() == server.code_cells
                   and "*" not in "".join(prompts.all_text_contents()) and self.kernel_idle(page), 240,
                   "Run All to finish")
 
@@ -193,10 +197,10 @@ class Voila(FrontEnd):
 
     def run_all(self, page, server):
         # The page streams the outputs while the cells run, and connects its widgets to the kernel only after
-        # the last one: a chip on the board means every cell has run.
-        chips = page.locator(".mpedu-explorer .mpedu-chip")
-        _wait_for(lambda: chips.count() > 0 and server.state.exists(), 240,
-                  "Voilà to run the notebook and show the board")
+        # the last one: the widget on the page (the explorer: a chip on its board) means every cell has run.
+        widget = page.locator(server.widget)
+        _wait_for(lambda: widget.count() > 0 and server.state.exists(), 240,
+                  "Voilà to run the notebook and show its widget")
 
 
 FRONT_ENDS = [JupyterLab(), Notebook7(), Voila()]
@@ -216,7 +220,6 @@ def _explorer_cells() -> dict:
 
 
 EXPLORER_NOTEBOOK = _explorer_cells()
-CODE_CELLS = sum(cell["cell_type"] == "code" for cell in EXPLORER_NOTEBOOK["cells"])
 
 
 def _kernel_connected(server: Server) -> bool:
@@ -225,7 +228,7 @@ def _kernel_connected(server: Server) -> bool:
         sessions = server.get("/api/sessions")
     except OSError:
         return False
-    return any(s["path"].endswith(NOTEBOOK.name) and s["kernel"]["execution_state"] == "idle"
+    return any(s["path"].endswith(server.notebook) and s["kernel"]["execution_state"] == "idle"
                and s["kernel"]["connections"] > 0 for s in sessions)
 
 
@@ -260,9 +263,17 @@ def sync_playwright():
 
 @pytest.fixture(scope="module", params=FRONT_ENDS, ids=lambda front_end: front_end.id)
 def server(request, tmp_path_factory):
-    """The front end on 127.0.0.1 serving notebook 05's explorer cells (a copy), with fresh home, config, data,
-    settings, runtime and workspace folders, in its own process group (stopped whole at the end)."""
-    front_end = request.param
+    """The front end on 127.0.0.1 serving notebook 05's explorer cells (a copy)."""
+    with _serve(request.param, NOTEBOOK.name, lambda state: EXPLORER_NOTEBOOK, ".mpedu-explorer .mpedu-chip",
+                tmp_path_factory) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _serve(front_end: FrontEnd, filename: str, notebook, widget: str, tmp_path_factory):
+    """The front end on 127.0.0.1 serving `notebook(state path)` (a notebook as a dict) as `filename`, with fresh home,
+    config, data, settings, runtime and workspace folders, in its own process group (stopped whole at the end).
+    `widget`: a CSS selector for Server.widget."""
     if importlib.util.find_spec(front_end.module) is None:
         _missing(f"the {front_end.module} package is missing", "pip install -e '.[notebooks]'")
     tmp_path = tmp_path_factory.mktemp(front_end.id)
@@ -273,9 +284,10 @@ def server(request, tmp_path_factory):
     news = dirs["settings"] / "@jupyterlab" / "apputils-extension"  # no news toast over the widgets
     news.mkdir(parents=True)
     (news / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
-    notebook = dirs["work"] / NOTEBOOK.name                  # a copy: the run saves nothing into the repository
-    notebook.write_text(json.dumps(EXPLORER_NOTEBOOK))
     state, log_path = tmp_path / "explorer-state.json", tmp_path / "server.log"
+    served = notebook(state)
+    path = dirs["work"] / filename                           # a copy: the run saves nothing into the repository
+    path.write_text(json.dumps(served))
     # every kernel the server starts builds its explorers with state_file=state (IPython runs the startup files
     # of the profile under HOME): mpedu itself has no switch for tests
     startup = dirs["home"] / ".ipython" / "profile_default" / "startup"
@@ -288,7 +300,7 @@ def server(request, tmp_path_factory):
            "JUPYTERLAB_WORKSPACES_DIR": str(dirs["workspaces"]),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as log:
-        process = subprocess.Popen(front_end.command(notebook, port, token), cwd=dirs["work"], env=env,
+        process = subprocess.Popen(front_end.command(path, port, token), cwd=dirs["work"], env=env,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def listening():
@@ -299,32 +311,46 @@ def server(request, tmp_path_factory):
 
     try:
         _wait_for(listening, 60, f"{front_end.module} to listen on port {port}")
-        yield Server(front_end, f"http://127.0.0.1:{port}", token, state, log_path)
+        yield Server(front_end, f"http://127.0.0.1:{port}", token, state, log_path, filename,
+                     sum(cell["cell_type"] == "code" for cell in served["cells"]), widget)
     finally:
         _stop(process, dirs["runtime"])
 
 
 @pytest.fixture(scope="module")
-def page(sync_playwright, server, tmp_path_factory):
+def page(playwright, server, tmp_path_factory):
     """A browser page on the served notebook once every cell has run. Running the notebook is most of a front
     end's time, so its tests share one page, in the file's order, each starting from the state the last left."""
+    with _opened(playwright, server, tmp_path_factory.mktemp("run-all")) as page:
+        yield page
+
+
+@pytest.fixture(scope="module")
+def playwright(sync_playwright):
+    """One Playwright for the file: its sync API runs an event loop, and a second one alongside is refused."""
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
-        context = browser.new_context(viewport=VIEWPORT)
-        # 127.0.0.1 only: anything else (Voilà's icon stylesheet on a CDN) fails at once. A pattern, not a
-        # function: the browser matches it itself, while a function would hold every request until Python
-        # next talks to Playwright (a wait on the server alone would then stall the page).
-        context.route(re.compile(rf"^(?!{re.escape(server.base)}/)[a-z]+://"), lambda route: route.abort())
-        page = context.new_page()
-        page.set_default_timeout(30_000)
-        try:
-            with _look_here_on_failure(page, server, tmp_path_factory.mktemp("run-all")):
-                page.goto(f"{server.base}{server.front_end.path(NOTEBOOK)}?token={server.token}",
-                          wait_until="commit")
-                server.front_end.run_all(page, server)
-            yield page
-        finally:
-            browser.close()
+        yield playwright
+
+
+@contextlib.contextmanager
+def _opened(playwright, server: Server, folder: Path):
+    """A browser page on the server's notebook once every cell has run (a failure to get there: see `folder`)."""
+    browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS, headless=True)
+    context = browser.new_context(viewport=VIEWPORT)
+    # 127.0.0.1 only: anything else (Voilà's icon stylesheet on a CDN) fails at once. A pattern, not a
+    # function: the browser matches it itself, while a function would hold every request until Python
+    # next talks to Playwright (a wait on the server alone would then stall the page).
+    context.route(re.compile(rf"^(?!{re.escape(server.base)}/)[a-z]+://"), lambda route: route.abort())
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    try:
+        with _look_here_on_failure(page, server, folder):
+            page.goto(f"{server.base}{server.front_end.path(Path(server.notebook))}?token={server.token}",
+                      wait_until="commit")
+            server.front_end.run_all(page, server)
+        yield page
+    finally:
+        browser.close()
 
 
 VIEWPORT = {"width": 1400, "height": 1000}
@@ -695,3 +721,88 @@ def _fits_a_laptop_screen(page, server: Server, folder: Path) -> None:
         explorer.screenshot(path=str(folder / f"explorer-{server.front_end.id}-{width}x{height}.png"))
         explorer.locator(".mpedu-board").first.evaluate("e => e.scrollIntoView()")   # what one screen shows
         page.screenshot(path=str(folder / f"screen-{server.front_end.id}-{width}x{height}.png"))
+
+
+# -- the step-through of a schedule (mpedu.course.stepper) in each front end ----------------------------------------
+# Made at test time, not kept in tests/data: its last cell writes to this run's state file, whose path only the test
+# knows, and there are no saved outputs to keep in step with the code.
+STEPPER_CELLS = [
+    "from mpedu.course import step_through\n"
+    "from mpedu.predict import StageCost, simulate\n"
+    "\n"
+    "# 1F1B on 2 devices, 4 micro-batches: F 1 ms, B 2 ms, 2 MB of activations per micro-batch\n"
+    "step = simulate(\"1f1b\", [StageCost(1e-3, activation_bytes=2_000_000)] * 2, micro_batches=4)\n"
+    "view = step_through(step)\n"
+    "view",
+    # what Python sees (the step the page shows), for the test: written whole, then renamed
+    "import json, os\n"
+    "\n"
+    "def _save(_=None):\n"
+    "    with open({state!r} + '.tmp', 'w') as f:\n"
+    "        json.dump({{'step': view.step, 'label': view.current.label}}, f)\n"
+    "    os.replace({state!r} + '.tmp', {state!r})\n"
+    "\n"
+    "view.observe(_save, 'step')\n"
+    "_save()",
+]
+
+
+def _stepper_notebook(state: Path) -> dict:
+    cells = [{"cell_type": "code", "execution_count": None, "id": f"stepper-{k}", "metadata": {}, "outputs": [],
+              "source": source.format(state=str(state)) if k else source} for k, source in enumerate(STEPPER_CELLS)]
+    return {"cells": cells, "metadata": {"kernelspec": EXPLORER_NOTEBOOK["metadata"]["kernelspec"]},
+            "nbformat": 4, "nbformat_minor": 5}
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS, ids=[front_end.id for front_end in FRONT_ENDS])
+def test_stepping_through_a_schedule_moves_the_highlight_and_the_memory_readout(front_end, playwright,
+                                                                              tmp_path_factory, tmp_path):
+    """A predicted 1F1B step, played in the page: one click on "step ▶", then one press of →, each show the next
+    action (its box outlined, the others to come faded, what it waits for dashed), say what each device holds,
+    and tell the kernel which action the page shows."""
+    started = time.monotonic()
+    with _serve(front_end, "stepper.ipynb", _stepper_notebook, ".mpedu-stepper", tmp_path_factory) as server, \
+            _opened(playwright, server, tmp_path) as page:
+        with _look_here_on_failure(page, server, tmp_path):
+            stepper = page.locator(".mpedu-stepper").first
+            stepper.scroll_into_view_if_needed()
+
+            def seen(k: int) -> dict:
+                """What the page shows, once it shows action k and the kernel knows it."""
+                _wait_for(lambda: stepper.get_attribute("data-step") == str(k)
+                          and (server.read_state() or {}).get("step") == k, 20, f"action {k} in the page and kernel")
+                running = stepper.locator("rect.mpedu-step-running")
+                box = running.get_attribute("data-box")
+                return {"label": stepper.locator(f"text[data-box='{box}']").text_content(),
+                        "running": running.count(), "box": box,
+                        "waits": stepper.locator("rect.mpedu-step-waited").evaluate_all(
+                            "rects => rects.map((r) => r.dataset.box)"),
+                        "transfers": stepper.locator("line.mpedu-step-waited").count(),
+                        "future": stepper.locator("rect.mpedu-step-future").count(),
+                        "action": stepper.locator(".mpedu-step-action").inner_text(),
+                        "memory": stepper.locator(".mpedu-step-device").all_inner_texts()}
+
+            first = seen(1)
+            assert first["label"] == "F0" and first["running"] == 1 and first["waits"] == [] and first["future"] == 15
+            assert first["action"] == "gpu:0 runs F0, 0.00 → 1.00 ms; it needs only the batch"
+            assert first["memory"] == ["gpu:0 holds 1 micro-batch's activations: F0 (2.0 MB)",
+                                       "gpu:1 holds no activations (0 MB)"]
+
+            stepper.locator("button", has_text="step ▶").click()
+            second = seen(2)
+            assert second["label"] == "F1" and second["box"] != first["box"] and second["future"] == 14
+            assert second["action"] == "gpu:0 runs F1, 1.00 → 2.00 ms; it needs only the batch"
+            assert second["memory"] == ["gpu:0 holds 2 micro-batches' activations: F0 F1 (4.0 MB)",
+                                        "gpu:1 holds no activations (0 MB)"]
+
+            page.keyboard.press("ArrowRight")          # the focus is on the button, inside the widget
+            third = seen(3)
+            assert third["label"] == "F0" and third["box"] not in (first["box"], second["box"])
+            # it waits for gpu:0's F0 (the first action's box), over the transfer drawn orange
+            assert third["waits"] == [first["box"]] and third["transfers"] == 1
+            assert third["action"] == ("gpu:1 runs F0, 1.02 → 2.02 ms; it needs F0 from gpu:0 (sent at 1.00 ms, here "
+                                       "at 1.02 ms): gpu:1 waited 1.02 ms for it")
+            assert third["memory"] == ["gpu:0 holds 2 micro-batches' activations: F0 F1 (4.0 MB)",
+                                       "gpu:1 holds 1 micro-batch's activations: F0 (2.0 MB)"]
+            assert server.read_state() == {"step": 3, "label": "F0"}
+    print(f"\n[{front_end.id}] step-through test: {time.monotonic() - started:.1f} s")

@@ -1,5 +1,5 @@
-"""What the notebooks use beside the engine: the explorer widget (needs the notebooks extra, so it is
-imported only when asked for), claims judged from measurements, baselines, checked exercises (the
+"""What the notebooks use beside the engine: the explorer widget and the step-through of a timeline (they need
+the notebooks extra, so they are imported only when asked for), claims judged from measurements, baselines, checked exercises (the
 learner's own pipeline code and schedules), the explorer's words and refusals. Imports the layers
 below (runtime ... training)."""
 from . import exercises
@@ -11,13 +11,13 @@ from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, far_from_predic
 
 __all__ = [
     "Baselines", "BOARD_CSS", "BOARD_ESM", "LayerBoard", "NEEDS_CORES", "NEIGHBOURS", "PipelineExplorer",
-    "RECOMPUTE", "Refusal", "SCHEDULES", "SLOW_LINK", "SLOWDOWNS", "TIMELINE_CSS", "TIMELINE_ESM",
-    "TimelineView", "Verdict", "check", "compare", "cost_note", "dealt", "describe", "exercises",
+    "RECOMPUTE", "Refusal", "SCHEDULES", "SLOW_LINK", "SLOWDOWNS", "Step", "StepThrough", "TIMELINE_CSS",
+    "TIMELINE_ESM", "TimelineView", "Verdict", "check", "compare", "cost_note", "dealt", "describe", "exercises",
     "far_from_prediction", "free_cores", "in_turn", "link_label", "measure_baselines",
-    "measure_placements", "same_plan", "sequences", "timeline_panel", "within",
+    "measure_placements", "same_plan", "sequences", "step_through", "timeline_panel", "walk_timeline", "within",
 ]
 
-_NEEDS_WIDGETS = {'describe': 'bestplans', 'same_plan': 'bestplans', 'BOARD_CSS': 'board', 'BOARD_ESM': 'board', 'LayerBoard': 'board', 'PipelineExplorer': 'explorer', 'TIMELINE_CSS': 'timeline_view', 'TIMELINE_ESM': 'timeline_view', 'TimelineView': 'timeline_view', 'timeline_panel': 'timeline_view'}
+_NEEDS_WIDGETS = {'describe': 'bestplans', 'same_plan': 'bestplans', 'BOARD_CSS': 'board', 'BOARD_ESM': 'board', 'LayerBoard': 'board', 'PipelineExplorer': 'explorer', 'TIMELINE_CSS': 'timeline_view', 'TIMELINE_ESM': 'timeline_view', 'TimelineView': 'timeline_view', 'timeline_panel': 'timeline_view', 'Step': 'stepper', 'StepThrough': 'stepper', 'step_through': 'stepper', 'walk_timeline': 'stepper'}
 
 
 def __getattr__(name):

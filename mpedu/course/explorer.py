@@ -21,6 +21,7 @@ from .board import LayerBoard
 from .explorer_run import RealSteps
 from .explorer_run import error_html as _error
 from .refusals import check
+from .stepper import StepThrough
 from .timeline_view import TimelineView
 from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, link_label, plural, sequences
 
@@ -36,6 +37,9 @@ class PipelineExplorer(RealSteps, w.VBox):
     Costs come from `profile`, measured once per micro-batch shape (pass `costs`, one or a list, to reuse
     yours). A new micro-batch size is first drawn from the nearest measured size, scaled per sequence, while its
     real costs are measured in the background; the drawing then updates by itself.
+
+    Under its timeline a "step through" toggle opens `explorer.stepper` (mpedu.course.stepper): the last measured
+    step, else the prediction, played action by action, following every redraw.
 
     Under the controls, `explorer.best_plans` lists the planner's fastest plans for these devices and link within
     `memory_cap` (bytes or "40MB" per device; a box there changes it), each one click from the board.
@@ -112,6 +116,10 @@ class PipelineExplorer(RealSteps, w.VBox):
         self.best_plans = BestPlans(model, batch, self.apply, memory_cap, self._weighed, self._model_lock)
         self.fix_button = w.Button(layout=w.Layout(display="none", width="max-content"))
         self.timeline = TimelineView()
+        self.step_toggle = w.ToggleButton(False, description="step through", layout=w.Layout(width="max-content"),
+                                          tooltip="play the step action by action: what runs, what it waits for, "
+                                                  "what each device holds")
+        self.stepper = StepThrough(layout=w.Layout(display="none"))
         self.run_button = w.Button(description=f"Run {steps} steps", icon="play", button_style="success")
         self.stop_button = w.Button(description="Stop", icon="stop", disabled=True)
         self.progress = w.IntProgress(0, 0, steps, description="trained", layout=w.Layout(display="none"))
@@ -121,6 +129,9 @@ class PipelineExplorer(RealSteps, w.VBox):
                         self.recompute_menu):
             control.observe(self._update, "value")
         self.device_count.observe(self._resize, "value")
+        # every redraw of the timeline (a prediction, a run's step, a refusal) is one for the step-through
+        self.timeline.observe(self._restep, "revision")
+        self.step_toggle.observe(self._restep, "value")
         self.fix_button.on_click(lambda _: self._fix and self._apply_fix())
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
@@ -128,6 +139,7 @@ class PipelineExplorer(RealSteps, w.VBox):
                           w.HBox([self.schedule_menu, self.chunks]), w.HBox([self.link_menu, self.slowdown]),
                           self.recompute_menu,
                           self.message, self.fix_button, self.figure_line, self.note, self.timeline,
+                          self.step_toggle, self.stepper,
                           w.HBox([self.run_button, self.stop_button, self.progress]), self.run_status,
                           self.best_plans])
         self.add_class("mpedu-explorer")
@@ -308,6 +320,19 @@ class PipelineExplorer(RealSteps, w.VBox):
             self.fix_button.layout.display = None if self._fix else "none"
             self._redraws += 1
             self._save_state()
+
+    def _restep(self, _=None) -> None:
+        """The step-through, while it is on, follows the timeline above it: the last measured step when a run left
+        one, else the prediction; nothing (and no toggle) while the choice is refused."""
+        timeline = self.measured if self.measured is not None else self.predicted
+        self.step_toggle.layout.display = None if timeline is not None else "none"
+        if not self.step_toggle.value or timeline is None:
+            self.stepper.layout.display = "none"
+            return
+        kind = "the last measured step" if self.measured is not None else f"the {self._kind_of_prediction()}"
+        # the same action number in the new timeline: a run's next step (or a drag) keeps the learner's place
+        self.stepper.load(timeline, self._title(timeline, f"stepping through {kind}"), at=self.stepper.step)
+        self.stepper.layout.display = None
 
     def _kind_of_prediction(self) -> str:
         """"predicted step" from measured costs, "estimated step" from another micro-batch size's, scaled."""

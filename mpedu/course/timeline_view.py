@@ -9,9 +9,12 @@ from ..pictures.plot import IDLE_COLOUR, KIND_COLOURS, TRANSFER_COLOUR
 
 # The timeline, drawn in the browser as SVG from the events Python sends (a few kB of JSON): a PNG made by
 # matplotlib took most of a redraw's time. Python sends the colours and labels, so the two agree with plot.py.
-TIMELINE_ESM = r"""
+# TIMELINE_DRAW is the drawing alone, shared with the step-through (mpedu.course.stepper), which marks boxes by their
+# data-box index (data-panel: which panel) and transfers by data-transfer. The class .mpedu-timeline is the view's
+# own (its render adds it): the browser tests find the explorer's timeline by it.
+TIMELINE_DRAW = r"""
 let serial = 0;                           // pattern ids must be unique on a page with several explorers
-function render({ model, el }) {
+function drawTimeline(el, panels, legend) {
   const NS = "http://www.w3.org/2000/svg";
   const hatchId = `mpedu-hatch-${++serial}`, arrowId = `mpedu-arrow-${serial}`;
   const svg = (tag, attrs = {}, text) => {
@@ -25,80 +28,87 @@ function render({ model, el }) {
     const raw = range / 6, p = 10 ** Math.floor(Math.log10(raw));
     return [1, 2, 5, 10].map((f) => f * p).find((s) => s >= raw);
   };
-  const draw = () => {
-    const panels = model.get("panels"), legend = model.get("legend");
-    el.replaceChildren();
-    el.classList.add("mpedu-timeline");
-    if (panels.length) {
-      const key = document.createElement("div");
-      key.className = "mpedu-legend";
-      for (const mark of legend.marks) {
-        const item = span("mpedu-mark");
-        const swatch = span(`mpedu-swatch mpedu-swatch-${mark.shape}`);
-        if (mark.fill) swatch.style.background = mark.fill;
-        if (mark.hatch) swatch.classList.add("mpedu-hatched");
-        item.append(swatch, document.createTextNode(mark.label));
-        key.append(item);
-      }
-      const labels = document.createElement("div");
-      labels.className = "mpedu-legend mpedu-labels";
-      labels.textContent = legend.labels;
-      el.append(key, labels);
-
-      const W = 880, left = 70, right = 14, row = 24, box = 17, head = 24, axis = 34;
-      const end = Math.max(...panels.map((p) => p.end)) || 1;
-      const x = (t) => left + (W - left - right) * t / end;
-      const H = panels.reduce((h, p) => h + head + row * p.devices.length, 0) + axis;
-      const s = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img",
-                             "aria-label": panels.map((p) => p.title).join("; ") });
-      s.style.maxWidth = `${W}px`;
-      const defs = svg("defs");
-      const hatch = svg("pattern", { id: hatchId, width: 5, height: 5, patternUnits: "userSpaceOnUse",
-                                     patternTransform: "rotate(45)" });
-      hatch.append(svg("line", { x1: 0, y1: 0, x2: 0, y2: 5, stroke: "#333", "stroke-width": 1, opacity: 0.55 }));
-      const arrow = svg("marker", { id: arrowId, viewBox: "0 0 6 6", refX: 6, refY: 3, markerWidth: 5,
-                                    markerHeight: 5, orient: "auto-start-reverse" });
-      arrow.append(svg("path", { d: "M0,0 L6,3 L0,6 z", fill: legend.transfer }));
-      defs.append(hatch, arrow);
-      s.append(defs);
-      let y = 0;
-      for (const p of panels) {
-        s.append(svg("text", { x: 2, y: y + 16, class: "mpedu-tl-title" }, p.title));
-        y += head;
-        const top = (r) => y + r * row + (row - box) / 2;
-        p.devices.forEach((d, r) => {
-          s.append(svg("text", { x: left - 8, y: top(r) + box / 2 + 4, "text-anchor": "end",
-                                 class: "mpedu-tl-device" }, d));
-          s.append(svg("rect", { x: x(0), y: top(r), width: x(p.end) - x(0), height: box, fill: legend.idle }));
-        });
-        for (const [r, t0, dt, fill, stroke, hatched, label] of p.boxes) {
-          const bx = x(t0), bw = Math.max(x(t0 + dt) - bx, 0.8);
-          s.append(svg("rect", { x: bx, y: top(r), width: bw, height: box, fill, stroke, "stroke-width": 0.6 }));
-          if (hatched) s.append(svg("rect", { x: bx, y: top(r), width: bw, height: box, fill: `url(#${hatchId})` }));
-          if (bw >= 6.6 * label.length + 4) {
-            s.append(svg("text", { x: bx + bw / 2, y: top(r) + box / 2 + 4, "text-anchor": "middle",
-                                   class: "mpedu-tl-label" }, label));
-          }
-        }
-        for (const [r0, t0, r1, t1] of p.transfers) {
-          const down = r1 > r0;
-          s.append(svg("line", { x1: x(t0), y1: down ? top(r0) + box : top(r0),
-                                 x2: x(t1), y2: down ? top(r1) : top(r1) + box,
-                                 stroke: legend.transfer, "stroke-width": 0.9, opacity: 0.8,
-                                 "marker-end": `url(#${arrowId})` }));
-        }
-        y += row * p.devices.length;
-      }
-      const step = niceStep(end);
-      s.append(svg("line", { x1: x(0), y1: y + 2, x2: x(end), y2: y + 2, stroke: "#888" }));
-      for (let t = 0; t <= end + 1e-9; t += step) {
-        s.append(svg("line", { x1: x(t), y1: y + 2, x2: x(t), y2: y + 6, stroke: "#888" }));
-        s.append(svg("text", { x: x(t), y: y + 18, "text-anchor": "middle", class: "mpedu-tl-tick" },
-                     `${+t.toFixed(6)}`));
-      }
-      s.append(svg("text", { x: W - right, y: y + 31, "text-anchor": "end", class: "mpedu-tl-tick" }, "time (ms)"));
-      el.append(s);
+  el.replaceChildren();
+  if (panels.length) {
+    const key = document.createElement("div");
+    key.className = "mpedu-legend";
+    for (const mark of legend.marks) {
+      const item = span("mpedu-mark");
+      const swatch = span(`mpedu-swatch mpedu-swatch-${mark.shape}`);
+      if (mark.fill) swatch.style.background = mark.fill;
+      if (mark.hatch) swatch.classList.add("mpedu-hatched");
+      item.append(swatch, document.createTextNode(mark.label));
+      key.append(item);
     }
+    const labels = document.createElement("div");
+    labels.className = "mpedu-legend mpedu-labels";
+    labels.textContent = legend.labels;
+    el.append(key, labels);
+
+    const W = 880, left = 70, right = 14, row = 24, box = 17, head = 24, axis = 34;
+    const end = Math.max(...panels.map((p) => p.end)) || 1;
+    const x = (t) => left + (W - left - right) * t / end;
+    const H = panels.reduce((h, p) => h + head + row * p.devices.length, 0) + axis;
+    const s = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img",
+                           "aria-label": panels.map((p) => p.title).join("; ") });
+    s.style.maxWidth = `${W}px`;
+    const defs = svg("defs");
+    const hatch = svg("pattern", { id: hatchId, width: 5, height: 5, patternUnits: "userSpaceOnUse",
+                                   patternTransform: "rotate(45)" });
+    hatch.append(svg("line", { x1: 0, y1: 0, x2: 0, y2: 5, stroke: "#333", "stroke-width": 1, opacity: 0.55 }));
+    const arrow = svg("marker", { id: arrowId, viewBox: "0 0 6 6", refX: 6, refY: 3, markerWidth: 5,
+                                  markerHeight: 5, orient: "auto-start-reverse" });
+    arrow.append(svg("path", { d: "M0,0 L6,3 L0,6 z", fill: legend.transfer }));
+    defs.append(hatch, arrow);
+    s.append(defs);
+    let y = 0;
+    panels.forEach((p, pi) => {
+      s.append(svg("text", { x: 2, y: y + 16, class: "mpedu-tl-title" }, p.title));
+      y += head;
+      const top = (r) => y + r * row + (row - box) / 2;
+      p.devices.forEach((d, r) => {
+        s.append(svg("text", { x: left - 8, y: top(r) + box / 2 + 4, "text-anchor": "end",
+                               class: "mpedu-tl-device" }, d));
+        s.append(svg("rect", { x: x(0), y: top(r), width: x(p.end) - x(0), height: box, fill: legend.idle }));
+      });
+      p.boxes.forEach(([r, t0, dt, fill, stroke, hatched, label], k) => {
+        const bx = x(t0), bw = Math.max(x(t0 + dt) - bx, 0.8), at = { "data-panel": pi, "data-box": k };
+        s.append(svg("rect", { x: bx, y: top(r), width: bw, height: box, fill, stroke, "stroke-width": 0.6,
+                               ...at }));
+        if (hatched) s.append(svg("rect", { x: bx, y: top(r), width: bw, height: box, fill: `url(#${hatchId})`,
+                                            class: "mpedu-tl-hatch", ...at }));
+        if (bw >= 6.6 * label.length + 4) {
+          s.append(svg("text", { x: bx + bw / 2, y: top(r) + box / 2 + 4, "text-anchor": "middle",
+                                 class: "mpedu-tl-label", ...at }, label));
+        }
+      });
+      p.transfers.forEach(([r0, t0, r1, t1], k) => {
+        const down = r1 > r0;
+        s.append(svg("line", { x1: x(t0), y1: down ? top(r0) + box : top(r0),
+                               x2: x(t1), y2: down ? top(r1) : top(r1) + box,
+                               stroke: legend.transfer, "stroke-width": 0.9, opacity: 0.8,
+                               "marker-end": `url(#${arrowId})`, "data-panel": pi, "data-transfer": k }));
+      });
+      y += row * p.devices.length;
+    });
+    const step = niceStep(end);
+    s.append(svg("line", { x1: x(0), y1: y + 2, x2: x(end), y2: y + 2, stroke: "#888" }));
+    for (let t = 0; t <= end + 1e-9; t += step) {
+      s.append(svg("line", { x1: x(t), y1: y + 2, x2: x(t), y2: y + 6, stroke: "#888" }));
+      s.append(svg("text", { x: x(t), y: y + 18, "text-anchor": "middle", class: "mpedu-tl-tick" },
+                   `${+t.toFixed(6)}`));
+    }
+    s.append(svg("text", { x: W - right, y: y + 31, "text-anchor": "end", class: "mpedu-tl-tick" }, "time (ms)"));
+    el.append(s);
+  }
+}
+"""
+
+TIMELINE_ESM = TIMELINE_DRAW + r"""
+function render({ model, el }) {
+  el.classList.add("mpedu-timeline");
+  const draw = () => {
+    drawTimeline(el, model.get("panels"), model.get("legend"));
     // when this picture was drawn, for the browser test's redraw timings (performance.now(), ms)
     el.dataset.revision = model.get("revision");
     el.dataset.drawnAt = performance.now();
@@ -156,9 +166,8 @@ def timeline_panel(timeline, title: str, end: float):
     [sender row, start ms, receiver row, arrival ms]; and the marks and kinds of label it uses."""
     rows = {d: i for i, d in enumerate(timeline.devices)}
     compute = timeline.compute()
-    held = {d: sorted({e.stage for e in compute if e.device == d}) for d in rows}
-    several = any(len(s) > 1 for s in held.values())
-    chunked = any(e.chunk for e in compute)
+    held = _stages_held(timeline, compute)
+    several, chunked = label_style(timeline, compute)
     order = {(d, s): k for d, stages in held.items() for k, s in enumerate(stages)}
     boxes, marks = [], {}
     for e in compute:
@@ -167,7 +176,7 @@ def timeline_panel(timeline, title: str, end: float):
         k = order[e.device, e.stage]
         fill, outline = _colours(e.kind, k)
         marks[e.kind, k] = fill
-        label = (f"{e.stage}{e.kind}{e.mb}" if several else f"{e.kind}{e.mb}") + (f".{e.chunk}" if chunked else "")
+        label = box_label(e, several, chunked)
         boxes.append([rows[e.device], round(e.start * 1e3, 4), round(e.duration * 1e3, 4), fill, outline, k > 0,
                       label])
     transfers = [[rows[e.device], round(e.start * 1e3, 4), rows[e.peer], round(e.end * 1e3, 4)]
@@ -180,6 +189,24 @@ def timeline_panel(timeline, title: str, end: float):
     panel = {"title": title, "devices": list(timeline.devices), "end": round(end * 1e3, 4), "boxes": boxes,
              "transfers": transfers}
     return panel, marks, kinds
+
+
+def _stages_held(timeline, compute) -> dict:
+    """{device: the stages it runs, in order}."""
+    return {d: sorted({e.stage for e in compute if e.device == d}) for d in timeline.devices}
+
+
+def label_style(timeline, compute=None) -> tuple[bool, bool]:
+    """(several, chunked) for box_label: whether a label names the stage (some device holds several stages) and
+    the time chunk (the timeline has chunks). `compute`: timeline.compute(), when the caller has it already."""
+    compute = timeline.compute() if compute is None else compute
+    several = any(len(s) > 1 for s in _stages_held(timeline, compute).values())
+    return several, any(e.chunk for e in compute)
+
+
+def box_label(e, several: bool, chunked: bool) -> str:
+    """A box's label: "F3" (kind and micro-batch), "1F3" when devices hold several stages, "F3.1" with chunks."""
+    return (f"{e.stage}{e.kind}{e.mb}" if several else f"{e.kind}{e.mb}") + (f".{e.chunk}" if chunked else "")
 
 
 _KIND_WORDS = {"F": "F forward", "R": "R forward again (recomputation, before its B)",
