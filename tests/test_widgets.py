@@ -420,3 +420,11 @@ def test_far_from_prediction_compares_the_typical_step():
     assert "0.50× the prediction" in far_from_prediction([0.05, 0.05], 0.1, virtual=True)
     assert "1.52× the prediction" in far_from_prediction([0.152, 0.152], 0.1, virtual=True)   # not "1.5×": far
     assert far_from_prediction([], 0.1, virtual=True) == ""                        # stopped before a step
+
+
+def test_1f1b_on_stages_dealt_in_turn_is_said_to_run_interleaved(explorer):
+    explorer.schedule_menu.value = "1f1b"
+    assert "interleaved" not in explorer.note.value
+    explorer.placement = "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu0 | decode:vgpu1"     # 4 stages, in turn
+    assert explorer.schedule_menu.value == "1f1b" and {e.stage for e in explorer.predicted.compute()} == {0, 1, 2, 3}
+    assert "1F1B on stages dealt to the devices in turn runs as interleaved 1F1B" in text(explorer.note.value)

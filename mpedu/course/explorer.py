@@ -361,6 +361,9 @@ class PipelineExplorer(RealSteps, w.VBox):
             f"({f['bytes_moved'] / 1e6:.1f} MB) · {plural(f['stages'], 'stage')} on "
             f"{plural(len(t.devices), 'device')}")
         self.note.value = cost_note(costs, self._costs.values(), measured)
+        if self.schedule_menu.value == "1f1b" and schedule.name == "interleaved":     # the menu said 1F1B
+            self.note.value += (" 1F1B on stages dealt to the devices in turn runs as <b>interleaved 1F1B</b>: each "
+                                "device alternates between its stages, which is what interleaving is.")
         top = max(memory.values()) or 1
         self.board.device_notes = {d: {"text": f"busy {t.busy(d) * 1e3:.0f} ms of {t.makespan * 1e3:.0f}\n"
                                                f"memory {memory[d] / 1e6:.1f} MB", "fill": memory[d] / top}
