@@ -111,7 +111,10 @@ def test_a_frozen_first_stage_under_the_wavefront_holds_nothing_and_is_predicted
     for name in ("embed", "lstm0"):
         model.layers[name].requires_grad_(False)
     costs = profile(model, batch, micro_batches=2, warmup=0, repeats=1)
-    assert costs.backward[0] < costs.backward[2] / 10          # nothing to differentiate: timing the empty call
+    # nothing to differentiate: no B and no W timed, and the frozen lead of stage 0 costs its stage no backward
+    # (the fused backward's time is that of an empty call: compared with a real one it is a timing, never asserted)
+    assert costs.backward_input[0] == costs.backward_weight[0] == 0.0
+    assert costs.stages([["embed", "lstm0"]])[0].backward == 0.0 < costs.stages([["lstm1"]])[0].backward
     with Pipeline(model, "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1", "wavefront", micro_batches=2, chunks=3,
                   recompute=recompute) as pipe:
         estimate = memory_estimate(pipe, batch)

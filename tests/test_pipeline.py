@@ -326,7 +326,7 @@ def test_buckets_get_one_cached_plan_each(batch):
             pipe.train_step(make_batch(T=T))
         assert sorted(pipe.bucket_cache) == [(6, 8), (9, 8)]
         plan = pipe.bucket_cache[9, 8]
-        assert plan.steps == 3 and plan.micro_batch == 4 and plan.chunk_bounds == [(0, 3), (3, 6), (6, 9)]
+        assert plan.steps == 3 and plan.sizes == (4, 4) and plan.chunk_bounds == [(0, 3), (3, 6), (6, 9)]
         assert "bucket T=9, B=8: micro-batches of 4" in str(plan)
         with pytest.raises(ValueError, match="chunks=3 but this batch has only T=2"):
             pipe.train_step(make_batch(T=2))

@@ -106,7 +106,8 @@ def test_every_runner_declares_the_whole_contract_and_one_that_does_not_is_refus
     model = tiny_model()
     # what the training loop and the fault search use: declared (annotated or defined) by the protocol...
     used = {"owned", "world", "clip", "clip_grad_norm", "agree_on_fault", "bad_before_clip", "device",
-            "carried_state", "load_carried_state", "carries_state", "placement", "micro_batches", "chunks", "model"}
+            "carried_state", "load_carried_state", "carries_state", "placement", "micro_batches", "micro_batch_sizes",
+            "chunks", "model"}
     assert all(m in Runner.__annotations__ or callable(getattr(Runner, m, None)) for m in used)
     # ...and given by every runner (BaseRunner's defaults)
     with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,lstm2,decode:vgpu1") as pipe:

@@ -1,11 +1,14 @@
 """Stream mode's carried state: each micro-batch's LSTM (h, c) kept from one batch to the next.
 
 In stream mode (--bptt) a batch continues the sequences of the one before it, so each LSTM starts
-where it stopped. Micro-batch i is columns i*B/m .. (i+1)*B/m - 1 of every batch: its state belongs
-to the same sequences whatever T is, and each stage keeps the state of its own layers, per
-micro-batch. A batch of another width B starts from zeros again, as SingleDevice does.
+where it stopped. Micro-batch i is the same columns of every batch (i*B/m .. (i+1)*B/m - 1, or, with
+unequal sizes, sum(sizes[:i]) .. sum(sizes[:i+1]) - 1): its state belongs to the same sequences
+whatever T is, and each stage keeps the state of its own layers, per micro-batch. A batch of
+another width B starts from zeros again, as SingleDevice does.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -16,8 +19,8 @@ class CarriedState:
     """What a Pipeline's stages carry between stream-mode batches, in and out of the runner-neutral
     form {layer: (h, c)} with each (1, B, H) for the whole batch width, on the host."""
 
-    def __init__(self, stages, micro_batches: int):
-        self.stages, self.micro_batches = stages, micro_batches
+    def __init__(self, stages, micro_batches: int, sizes: tuple[int, ...] | None = None):
+        self.stages, self.micro_batches, self.sizes = stages, micro_batches, sizes
         self.shape = None        # the (T, B) of the batch whose state the stages hold, or None
 
     def begin(self, batch, chunks: int) -> None:
@@ -55,19 +58,24 @@ class CarriedState:
         self.forget()
         if not state:
             return
-        m = self.micro_batches
+        m, sizes = self.micro_batches, self.sizes
         width = check_carried(state, model)
-        extra = -width % m
+        if sizes is not None and width > sum(sizes):
+            raise ValueError(f"the carried state is {width} sequences wide, more than the micro-batches of sizes "
+                             f"{list(sizes)} hold together ({sum(sizes)}); build the Pipeline with sizes that add "
+                             f"up to {width}")
+        extra = -width % m if sizes is None else sum(sizes) - width
         state = {name: tuple(torch.cat([t, t.new_zeros(t.shape[0], extra, t.shape[2])], 1) for t in ts)
                  for name, ts in state.items()}
         width += extra
-        b = width // m
+        sizes = sizes or (width // m,) * m
+        starts = list(itertools.accumulate(sizes, initial=0))
         for stage in self.stages:
             stream = worker_streams.get(stage.device.name)
             for name in (n for n in stage.names if n in state):
                 for mb in range(m):
-                    parts = tuple(t[:, mb * b:(mb + 1) * b].to(stage.device.torch_device).contiguous()
-                                  for t in state[name])
+                    lo, hi = starts[mb], starts[mb + 1]
+                    parts = tuple(t[:, lo:hi].to(stage.device.torch_device).contiguous() for t in state[name])
                     if stream is not None:
                         # the copies ran on this thread's stream; the worker frees the state once its kernels
                         # are queued, and the memory could be handed out again before they ran

@@ -33,7 +33,7 @@ class DeviceStep:
         self.stages, self.last = pipe.stages, len(pipe.stages) - 1
         self.row, self.scale, self.train = row, scale, train
         self.mailbox, self.timeline, self.t0, self.key = mailbox, timeline, t0, key
-        self.micro_batch, self.chunk_starts = plan.micro_batch, [lo for lo, _ in plan.chunk_bounds]
+        self.starts, self.chunk_starts = plan.starts, [lo for lo, _ in plan.chunk_bounds]   # first column, time step
         self.split = pipe.schedule.split_backward       # stages whose backward leaves W for later
         # per stage: whether micro-batch i re-runs its forward in the backward (activation recomputation)
         self.again = [[train and recomputes(mode, i, pipe.micro_batches) for i in range(pipe.micro_batches)]
@@ -66,8 +66,9 @@ class DeviceStep:
         stage, mark = self.stages[s], self.mark
         x = self.inputs(mb, chunk) if s == 0 else self.receive("act", a)     # or what stage s-1 sent
         targets = self.targets(mb, chunk) if s == self.last else None
-        # dropout draws at the slice's first batch column and time step (no key: evaluation, no dropout)
-        where = self.key and self.key.at(mb * self.micro_batch, self.chunk_starts[chunk])
+        # dropout draws at the slice's first batch column and time step (no key: evaluation, no dropout): the
+        # micro-batches' sizes so far, equal or not, so that its masks are that slice of one device's
+        where = self.key and self.key.at(self.starts[mb], self.chunk_starts[chunk])
         start = mark()
         out = stage.forward(mb, chunk, x, targets, self.scale, train=self.train, where=where,
                             recompute=self.again[s][mb])

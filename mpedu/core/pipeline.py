@@ -14,7 +14,7 @@ from ..runtime.devices import Device
 from ..runtime.link import Link
 from ..runtime.workers import start_workers, stop_workers, wait_interruptibly, wait_uninterrupted
 from . import schedules
-from .buckets import BucketPlan, plan_bucket, transfer_time
+from .buckets import BucketPlan, plan_bucket, split_form, transfer_time
 from .carry import CarriedState
 from .device_step import DeviceStep, sender_of
 from .mailbox import Aborted, Mailbox
@@ -38,6 +38,15 @@ class Pipeline(BaseRunner):
     and `chunks`, default 1, shape it) or a Schedule, which brings its own. Workers
     persist across steps; `close()` (or garbage collection, or a `with` block) ends them.
 
+    `micro_batches` is a count m (each batch cut into m equal micro-batches of B/m sentences) or a list
+    of sizes, micro-batches of unequal widths side by side, adding up to the batch width:
+
+        Pipeline(model, 2, "1f1b", micro_batches=[8, 16, 24, 16])    # batches of 64: columns 0-7 | 8-23 | ..
+
+    Small first and last micro-batches shorten a schedule's fill and drain. The schedule sees only the
+    count (`micro_batches` is then 4, `micro_batch_sizes` the list); the loss is weighted by tokens and
+    dropout masks start at each micro-batch's first column, so the gradients are one device's either way.
+
     `link` joins virtual devices by an emulated interconnect: a Link, or text for
     Link.parse ("pcie4", "10gbe/100", "5ms,10MB/s"); None is shared memory (no added
     delay). A tensor sent at time t then reaches the other device no earlier than
@@ -59,12 +68,14 @@ class Pipeline(BaseRunner):
     carries_state = True
 
     def __init__(self, model, placement: Placement | str | dict | int = 2, schedule: str | Schedule = "gpipe",
-                 micro_batches: int | None = None, chunks: int | None = None, link: Link | str | None = None,
-                 recompute=None):
+                 micro_batches: int | list[int] | None = None, chunks: int | None = None,
+                 link: Link | str | None = None, recompute=None):
         self.model = model
         self.placement = as_placement(placement, model)
         self.placement.check_tied_weights(model)
-        self.schedule = schedules.for_runner(schedule, self.placement.stage_devices, micro_batches, chunks)
+        # a list of sizes: the schedule plays its count; the sizes shape each batch's split (mpedu.core.buckets)
+        count, self.micro_batch_sizes = split_form(micro_batches)
+        self.schedule = schedules.for_runner(schedule, self.placement.stage_devices, count, chunks)
         self.micro_batches, self.chunks = self.schedule.micro_batches, self.schedule.chunks
         self._counts = (self.placement.stage_devices, self.micro_batches, self.chunks)   # a step's must match
         self.devices: list[Device] = self.placement.devices
@@ -79,7 +90,7 @@ class Pipeline(BaseRunner):
         self.bucket_cache: dict[tuple[int, int], BucketPlan] = {}
         self.before_training_step: list = []          # checks installed around the step (a memory cap)
         self.last_timeline: Timeline | None = None   # the latest train_step's, for the command line
-        self.carry = CarriedState(self.stages, self.micro_batches)
+        self.carry = CarriedState(self.stages, self.micro_batches, self.micro_batch_sizes)
         # pinned workers (a core each) poll for a hand-off instead of sleeping (Mailbox)
         self._workers, self._core_each = start_workers(self.devices)
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
@@ -95,7 +106,8 @@ class Pipeline(BaseRunner):
         modes = set(self.recompute)
         recompute = "" if modes == {None} else f", recompute={self.recompute[0]!r}" if len(modes) == 1 else (
             f", recompute={ {s: m for s, m in enumerate(self.recompute) if m} }")
-        return (f"Pipeline({self.placement}, schedule={self.schedule.name}, micro_batches={self.micro_batches}"
+        split = self.micro_batches if self.micro_batch_sizes is None else list(self.micro_batch_sizes)
+        return (f"Pipeline({self.placement}, schedule={self.schedule.name}, micro_batches={split}"
                 f"{link}{recompute})")
 
     # -- public ---------------------------------------------------------------------
@@ -205,12 +217,13 @@ class Pipeline(BaseRunner):
         """Every device plays its row at once; the caller waits (Ctrl-C still reaches it)."""
         micro = streams.MicroBatches(batch, self.micro_batches, plan.chunk_bounds,
                                      pin_inputs=self.stages[0].device.is_cuda,
-                                     pin_targets=self.stages[-1].device.is_cuda)
+                                     pin_targets=self.stages[-1].device.is_cuda,
+                                     sizes=None if plan.equal else plan.sizes)    # equal: one (m, T, b) block
         self.carry.begin(batch, len(plan.chunk_bounds))
         # the step's dropout Position; each (micro-batch, chunk) draws at its first column and time step
         key = dropout.Position(self.dropout_seed, self.dropout_step) if train else None
         mailbox = Mailbox(self.link, spin=self._core_each, workers=len(actions), describe=sender_of)
-        timeline = Timeline([d.name for d in self.devices])
+        timeline = Timeline([d.name for d in self.devices], micro_batch_sizes=plan.sizes)
         t0 = time.perf_counter()
         callers = streams.caller_streams(self.devices)
         futures = []

@@ -50,6 +50,8 @@ class Runner(Protocol):
     placement: object            # a Placement (where the layers sit), or None on one device
     device: object               # a one-device runner's torch device, or None (read from the weights)
     micro_batches: int           # the pieces a batch is split into (its width must divide by it)
+    micro_batch_sizes: tuple | None  # unequal pieces' widths, side by side (their sum is the batch width); None:
+                                 # micro_batches equal ones
     chunks: int                  # time chunks per micro-batch (the wavefront)
     owned: list | None           # the layers this process holds (a torchrun rank), None: every layer
     world: int                   # processes taking part in a step
@@ -82,6 +84,7 @@ class BaseRunner:
     placement = None
     device = None
     micro_batches = 1
+    micro_batch_sizes = None
     chunks = 1
     owned = None
     world = 1
@@ -165,14 +168,24 @@ def check_batch(batch, vocab_size: int) -> int:
     return tokens
 
 
-def fit_width(batch, micro_batches: int):
-    """Pad the batch dimension with empty columns (all <pad>, no targets) up to a multiple of m.
+def fit_width(batch, micro_batches):
+    """Pad the batch dimension with empty columns (all <pad>, no targets) up to a width the micro-batches
+    split: a multiple of m for `micro_batches` = m, the sizes' sum for a list of unequal sizes.
 
-    A pipeline splits a (T, B) batch into m micro-batches of B/m columns, but a bucket's last
-    batch can be narrower. Empty columns add no tokens, no loss and no gradient (columns are
-    independent), so the step's result is that of the narrow batch; they only cost compute.
+    A pipeline splits a (T, B) batch into m micro-batches of B/m columns (or of the given sizes), but a
+    bucket's last batch can be narrower. Empty columns add no tokens, no loss and no gradient (columns
+    are independent), so the step's result is that of the narrow batch; they only cost compute. With
+    sizes the empty columns fill the last micro-batches; a batch wider than the sizes' sum is refused.
     """
-    extra = -batch.inputs.shape[1] % micro_batches
+    B = batch.inputs.shape[1]
+    if isinstance(micro_batches, (list, tuple)):
+        width = sum(micro_batches)
+        if B > width:
+            raise ValueError(f"a batch of {B} sentences does not fit micro-batches of sizes {list(micro_batches)}, "
+                             f"which add up to {width}; give sizes that add up to the batch size")
+        extra = width - B
+    else:
+        extra = -B % micro_batches
     if not extra:
         return batch
     pad = batch.inputs.new_zeros((batch.inputs.shape[0], extra))  # (T, extra) of <pad> (id 0)
@@ -182,5 +195,7 @@ def fit_width(batch, micro_batches: int):
 
 def fitted(runner, batch):
     """`batch` padded to a width `runner` can split into its micro-batches (unchanged for one)."""
+    if runner.micro_batch_sizes is not None:
+        return fit_width(batch, runner.micro_batch_sizes)
     m = runner.micro_batches
     return fit_width(batch, m) if m > 1 else batch

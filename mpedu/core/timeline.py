@@ -108,11 +108,16 @@ new_mark = functools.partial(tuple.__new__, Mark)
 
 
 class Timeline:
-    """A step's events on p devices, measured (by the Pipeline) or predicted (by the simulator)."""
+    """A step's events on p devices, measured (by the Pipeline) or predicted (by the simulator).
 
-    def __init__(self, devices: list[str], events: list[Event] | None = None, source: str = "measured"):
+    `micro_batch_sizes`: each micro-batch's width in sentences, when known (a Pipeline's step; a simulation
+    given them), else None. The boxes' lengths already show them; a picture may label the micro-batches with them."""
+
+    def __init__(self, devices: list[str], events: list[Event] | None = None, source: str = "measured",
+                 micro_batch_sizes: tuple[int, ...] | None = None):
         self.devices = devices
         self.source = source          # "measured" or "predicted"
+        self.micro_batch_sizes = micro_batch_sizes
         self._events: list[Event] = list(events or [])
         self._later: list = []        # callables, each returning events: a worker's marks, turned into events on demand
 
@@ -196,8 +201,10 @@ class Timeline:
     def summary(self) -> str:
         """Plain text for the terminal: one line per device, then the totals."""
         span = self.makespan
+        sizes = self.micro_batch_sizes
+        unequal = f", micro-batches of {', '.join(map(str, sizes))} sentences" if sizes and len(set(sizes)) > 1 else ""
         lines = [f"{self.source} timeline: makespan {span * 1e3:.1f} ms, bubble {self.bubble_fraction:.1%}, "
-                 f"{len(self.transfers())} transfers, {self.bytes_moved / 1e6:.2f} MB moved"]
+                 f"{len(self.transfers())} transfers, {self.bytes_moved / 1e6:.2f} MB moved{unequal}"]
         chunked = any(e.chunk for e in self.compute())        # then chunk 0 is written too: 0F0.0, as schedules do
         for d in self.devices:
             busy = self.busy(d)
@@ -210,7 +217,8 @@ class Timeline:
                 f"makespan={self.makespan * 1e3:.1f} ms, bubble={self.bubble_fraction:.1%})")
 
     def to_dict(self) -> dict:
-        return {"devices": self.devices, "source": self.source, "events": [asdict(e) for e in self.events]}
+        sizes = {} if self.micro_batch_sizes is None else {"micro_batch_sizes": list(self.micro_batch_sizes)}
+        return {"devices": self.devices, "source": self.source, **sizes, "events": [asdict(e) for e in self.events]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Timeline":
@@ -227,7 +235,13 @@ class Timeline:
             raise ValueError(f"the timeline's events must be a list of events, got {type(events).__name__}")
         if not isinstance(d.get("source", "measured"), str):
             raise ValueError(f"the timeline's source must be text such as 'measured', got {d['source']!r}")
-        return cls(devices, [_event(k, e, devices) for k, e in enumerate(events)], d.get("source", "measured"))
+        sizes = d.get("micro_batch_sizes")
+        if sizes is not None and not (isinstance(sizes, list) and sizes and all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes)):
+            raise ValueError(f"the timeline's micro_batch_sizes must be a list of sentence counts such as [8, 16], "
+                             f"got {sizes!r}")
+        return cls(devices, [_event(k, e, devices) for k, e in enumerate(events)], d.get("source", "measured"),
+                   None if sizes is None else tuple(sizes))
 
     def to_json(self, path) -> None:
         # temp file + rename, like a checkpoint: a symlink planted at `path` is replaced, not followed

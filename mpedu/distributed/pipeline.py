@@ -62,6 +62,13 @@ class DistributedPipeline(BaseRunner):
                  micro_batches: int = 4, *, device: torch.device | str | None = None, clip: float | None = None,
                  width: int | None = None, record: bool = True, pipeline_devices: int | None = None,
                  runtime: str = "mpedu"):
+        if isinstance(micro_batches, (list, tuple)):
+            # asked first, before any process group: the answer is the same in every rank
+            raise ValueError(f"micro_batches={list(micro_batches)}: torchrun's pipeline runs on torch.distributed."
+                             "pipelining, whose stages allocate their receive buffers once for one static shape, "
+                             "so every micro-batch must be as wide as the others; give a count (micro_batches=4). "
+                             "Unequal micro-batches run on virtual devices: mpedu.Pipeline(model, placement, "
+                             "schedule, micro_batches=[8, 16, 24, 16])")
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group (or mpedu.distributed.setup) first; "
                                "launch with torchrun --nproc-per-node N -m mpedu.distributed ...")

@@ -1,6 +1,7 @@
 """Time-major (T, B) batches with a mask: sentences grouped into length buckets, or one long stream."""
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -36,15 +37,28 @@ class Batch:
         return Batch(self.inputs[start:end], self.targets[start:end], self.mask[start:end], end - start,
                      self.carry_state)
 
-    def split(self, m: int) -> list["Batch"]:
-        """m micro-batches of B/m columns each, in order: the pipeline's unit of work."""
+    def split(self, m) -> list["Batch"]:
+        """The pipeline's unit of work, in order: m micro-batches of B/m columns each, or, for a list of
+        sizes (check_sizes), micro-batches of those widths, side by side:
+
+            split(4)             on B = 8: columns 0-1 | 2-3 | 4-5 | 6-7
+            split([1, 3, 2, 2])  on B = 8: columns 0 | 1-3 | 4-5 | 6-7
+        """
         B = self.inputs.shape[1]
+        if isinstance(m, (list, tuple)):
+            sizes = check_sizes(m, B)
+            # one copy per micro-batch and tensor: each is a contiguous (T, b_i) block, as the equal split's
+            edges = list(itertools.accumulate(sizes, initial=0))
+            cut = lambda x: [x[:, lo:hi].contiguous() for lo, hi in zip(edges, edges[1:])]  # noqa: E731
+            return [Batch(*parts, self.bucket, self.carry_state)
+                    for parts in zip(cut(self.inputs), cut(self.targets), cut(self.mask))]
         bad_type = isinstance(m, bool) or not isinstance(m, numbers.Integral)
         if bad_type or m < 1 or m > B or B % m:
             divisors = ", ".join(str(d) for d in range(1, B + 1) if B % d == 0)
             why = "is not a positive integer" if bad_type or m < 1 else (
                 f"is more than the batch size {B}" if m > B else f"does not divide the batch size {B}")
-            raise ValueError(f"micro_batches={m} {why}; pick a divisor of {B} such as {divisors}. "
+            unequal = f", or unequal sizes adding up to {B} (a list such as [{B - B // 2}, {B // 2}])" if B > 1 else ""
+            raise ValueError(f"micro_batches={m} {why}; pick a divisor of {B} such as {divisors}{unequal}. "
                              f"(The last batch of a bucket can be smaller than batch_size; "
                              f"BucketIterator(drop_last=True) keeps every batch full.)")
         m, T = int(m), self.inputs.shape[0]
@@ -53,6 +67,27 @@ class Batch:
         cut = lambda x: x.reshape(T, m, B // m).transpose(0, 1).contiguous().unbind(0)  # noqa: E731
         return [Batch(*parts, self.bucket, self.carry_state)
                 for parts in zip(cut(self.inputs), cut(self.targets), cut(self.mask))]
+
+
+def check_sizes(sizes, width: int | None = None) -> tuple[int, ...]:
+    """Unequal micro-batches: `sizes`, sentence counts (batch columns) side by side, each a whole number
+    >= 1, adding up to the batch width `width` when it is given. Returned as a tuple; ValueError naming
+    the values (and the width) otherwise. Micro-batch i is columns sum(sizes[:i]) .. sum(sizes[:i+1]) - 1."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, (list, tuple)):
+        raise ValueError(f"micro-batch sizes must be a list of sentence counts such as [8, 16, 24, 16], "
+                         f"got {sizes!r}")
+    values = list(sizes)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1]
+    if not values or bad:
+        why = "is empty" if not values else f"holds {bad[0]!r}"
+        raise ValueError(f"micro-batch sizes {values} {why}: each micro-batch is a whole number >= 1 of "
+                         "sentences (batch columns), e.g. [8, 16, 24, 16]")
+    values = [int(v) for v in values]
+    if width is not None and sum(values) != width:
+        raise ValueError(f"micro-batch sizes {values} add up to {sum(values)} sentences, but the batch is "
+                         f"{width} wide; give sizes that add up to the batch width {width} (the last batch of a "
+                         "bucket can be narrower: mpedu.core.fit_width pads it to the sizes' sum)")
+    return tuple(values)
 
 
 @dataclass

@@ -251,11 +251,15 @@ def memory_estimate(pipe, batch) -> list[Footprint]:
     their gradients, and the activations at the schedule's peak (mpedu.predict.footprint), with the
     pipeline's recomputation, each against its cap when one is installed. The activations of one
     micro-batch come from a dry run of its forward with saved-tensor hooks (the counting a training step
-    records in its timeline), made once per bucket shape. Not counted: optimizer state (the pipeline
-    never sees the optimizer; plain SGD keeps none) and short-lived buffers inside an op."""
-    sizes = _layer_sizes(pipe, batch)              # per time chunk
-    return device_footprints(sizes[0], pipe.placement, pipe.schedule, pipe.recompute, caps=caps_of(pipe),
-                             chunk_costs=sizes)
+    records in its timeline), made once per bucket shape (and per width, for micro-batches of unequal
+    sizes: each holds its own). Not counted: optimizer state (the pipeline never sees the optimizer; plain
+    SGD keeps none) and short-lived buffers inside an op."""
+    each = _micro_batch_sizes(pipe, batch)         # per micro-batch, per time chunk
+    if len(set(map(id, each))) == 1:               # equal micro-batches: one dry run for all
+        return device_footprints(each[0][0], pipe.placement, pipe.schedule, pipe.recompute, caps=caps_of(pipe),
+                                 chunk_costs=each[0])
+    return device_footprints(each[0][0], pipe.placement, pipe.schedule, pipe.recompute, caps=caps_of(pipe),
+                             micro_batch_costs=each)
 
 
 _SIZES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # pipe -> {(shape, trains): layer sizes}
@@ -267,20 +271,34 @@ def _which_train(pipe) -> tuple[bool, ...]:
 
 
 def _layer_sizes(pipe, batch) -> list[Costs]:
+    """layer_sizes of the widest micro-batch of `batch` (all of them, when they are equal): what a hint
+    about other placements reads, erring on the side of more memory."""
+    each = _micro_batch_sizes(pipe, batch)
+    return max(each, key=lambda sizes: sizes[0].micro_batch[1])
+
+
+def _micro_batch_sizes(pipe, batch) -> list[list[Costs]]:
+    """layer_sizes for each micro-batch of `batch` in `pipe`'s split, one dry run per width: equal
+    micro-batches share one list."""
     # what a step saves depends on which weights train now (a layer frozen or thawed after the pipeline was
     # built): one dry run per such choice; always of a training step (train mode, dropout masks and all)
     check_batch(batch, pipe.model.vocab_size)
     plan = pipe.bucket_plan(batch)
-    key = (plan.T, plan.B), _which_train(pipe)
     cache = _SIZES.setdefault(pipe, {})
-    if key not in cache:
-        layers = [layer for stage in pipe.stages for layer in stage.layers]
-        modes = [layer.training for layer in layers]
-        try:
-            for layer in layers:
-                layer.train()
-            cache[key] = layer_sizes(pipe.stages, batch.split(pipe.micro_batches)[0], plan.chunk_bounds, pipe.model)
-        finally:
-            for layer, mode in zip(layers, modes):
-                layer.train(mode)
-    return cache[key]
+    micro = None
+    out = []
+    for i, b in enumerate(plan.sizes):
+        key = (plan.T, b), _which_train(pipe)
+        if key not in cache:
+            micro = micro or batch.split(list(plan.sizes))
+            layers = [layer for stage in pipe.stages for layer in stage.layers]
+            modes = [layer.training for layer in layers]
+            try:
+                for layer in layers:
+                    layer.train()
+                cache[key] = layer_sizes(pipe.stages, micro[i], plan.chunk_bounds, pipe.model)
+            finally:
+                for layer, mode in zip(layers, modes):
+                    layer.train(mode)
+        out.append(cache[key])
+    return out

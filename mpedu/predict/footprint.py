@@ -40,15 +40,15 @@ class Footprint:
 
 
 def peak_held(row, unit_bytes: Callable[[int, int, int], tuple[float, float]], split=(),
-              grad_bytes: Callable[[int], float] = lambda stage: 0.0) -> tuple[float, int]:
+              grad_bytes: Callable[[int, int], float] = lambda stage, mb: 0.0) -> tuple[float, int]:
     """The one loop that counts what a schedule holds: walk one device's actions in the order it runs
     them and return (most bytes held at once, most units held at once).
 
     unit_bytes(stage, mb, chunk) -> (kept, full): what a (micro-batch, chunk) unit holds from its F to its
     backward, and while its backward runs. kept == full without recomputation; with it, kept is the
     stage's input and the backward first rebuilds `full`. A unit is freed by its B, or by its W on a
-    stage in `split` (zero-bubble: B keeps the graph for W, and grad_bytes(stage), the gradient of the
-    stage's output, which W starts from again).
+    stage in `split` (zero-bubble: B keeps the graph for W, and grad_bytes(stage, mb), the gradient of the
+    stage's output for micro-batch mb, which W starts from again).
     """
     held = peak = 0.0
     units = peak_units = 0
@@ -71,7 +71,7 @@ def peak_held(row, unit_bytes: Callable[[int, int, int], tuple[float, float]], s
                 held -= holding.pop(key)
                 units -= 1
             elif key in holding:
-                extra = grad_bytes(a.stage)
+                extra = grad_bytes(a.stage, a.mb)
                 holding[key] += extra
                 held += extra
         elif a.kind == "W" and key in holding:
@@ -87,15 +87,18 @@ def output_grad_bytes(c) -> float:
     return c.output_bytes if c.activation_bytes or c.trainable_bytes else 0
 
 
-def unit_bytes(stage_costs, modes, micro_batches: int, chunks: int = 1, per_chunk=None):
+def unit_bytes(stage_costs, modes, micro_batches: int, chunks: int = 1, per_chunk=None, per_micro_batch=None):
     """unit_bytes(stage, mb, chunk=0) -> (kept, full) for peak_held, from StageCosts of one full-sequence
     micro-batch (a unit holds 1/chunks of it), or `per_chunk`: for each time chunk, the StageCosts of that
-    chunk alone (chunks of unequal lengths hold unequal bytes)."""
+    chunk alone (chunks of unequal lengths hold unequal bytes). `per_micro_batch`: micro-batches of unequal
+    widths hold unequal bytes; for each micro-batch its own pair (stage_costs, per_chunk), read as those two
+    arguments are (per_chunk None: a unit holds 1/chunks of the stage costs)."""
     def sizes(s: int, mb: int, chunk: int = 0) -> tuple[float, float]:
-        if per_chunk is not None:
-            c, share = per_chunk[chunk][s], 1
+        own, chunked = (stage_costs, per_chunk) if per_micro_batch is None else per_micro_batch[mb]
+        if chunked is not None:
+            c, share = chunked[chunk][s], 1
         else:
-            c, share = stage_costs[s], chunks
+            c, share = own[s], chunks
         full = c.activation_bytes / share
         if not recomputes(modes[s], mb, micro_batches):
             return full, full
@@ -108,7 +111,8 @@ def unit_bytes(stage_costs, modes, micro_batches: int, chunks: int = 1, per_chun
 
 def device_footprints(costs, placement, schedule, recompute=None, optimizer_bytes_per_param: float = 0.0,
                       optimizer_state: Mapping[str, int] | None = None,
-                      caps: Mapping[str, int] | None = None, chunk_costs=None) -> list[Footprint]:
+                      caps: Mapping[str, int] | None = None, chunk_costs=None,
+                      micro_batch_costs=None) -> list[Footprint]:
     """Footprint per device (in placement.devices order) of a training step that runs `schedule`
     over `placement`, from per-layer `costs` (mpedu.predict.profiling.Costs of one full-sequence micro-batch).
 
@@ -122,6 +126,11 @@ def device_footprints(costs, placement, schedule, recompute=None, optimizer_byte
     chunk's recurrent state comes in and is saved again): `chunk_costs`, profiled on one chunk's
     length (the batch cut to its first T/c steps), gives a unit's bytes as measured; a list of
     them, one per time chunk, gives each chunk its own (T not a multiple of the chunk count).
+
+    Micro-batches of unequal widths (Pipeline(..., micro_batches=[8, 16, 24, 16])) hold unequal bytes:
+    `micro_batch_costs`, one entry per micro-batch, each what `costs` (a Costs of that width) or
+    `chunk_costs` (a list per time chunk) would be for all, gives each micro-batch its own; `costs` then
+    gives only the weights.
     """
     stage_costs = costs.stages(placement)
     stages = placement.stages
@@ -129,13 +138,18 @@ def device_footprints(costs, placement, schedule, recompute=None, optimizer_byte
         raise ValueError(f"the placement has {len(stage_costs)} stages but schedule {schedule.name!r} has "
                          f"{schedule.num_stages}; build the schedule from placement.stage_devices")
     modes = recompute_modes(recompute, len(stages))
-    if chunk_costs is None:
-        sizes = unit_bytes(stage_costs, modes, schedule.micro_batches, schedule.chunks)
+    m, chunks = schedule.micro_batches, schedule.chunks
+    if micro_batch_costs is None:
+        pairs = [(stage_costs, _per_chunk(chunk_costs, placement, chunks))] * m
     else:
-        each = list(chunk_costs) if isinstance(chunk_costs, (list, tuple)) else [chunk_costs] * schedule.chunks
-        if len(each) != schedule.chunks:
-            raise ValueError(f"chunk_costs gives {len(each)} time chunks, the schedule runs {schedule.chunks}")
-        sizes = unit_bytes(stage_costs, modes, schedule.micro_batches, per_chunk=[c.stages(placement) for c in each])
+        if chunk_costs is not None:
+            raise ValueError("give chunk_costs or micro_batch_costs, not both: micro_batch_costs may hold a list "
+                             "per time chunk for each micro-batch")
+        if len(micro_batch_costs) != m:
+            raise ValueError(f"micro_batch_costs gives {len(micro_batch_costs)} micro-batches, the schedule runs {m}")
+        pairs = [(c.stages(placement), None) if not isinstance(c, (list, tuple)) else
+                 (c[0].stages(placement), _per_chunk(c, placement, chunks)) for c in micro_batch_costs]
+    sizes = unit_bytes(stage_costs, modes, m, chunks, per_micro_batch=pairs)
     names = [d.name for d in placement.devices]
     fixed = {name: [0, 0] for name in names}
     for (device, _), c in zip(stages, stage_costs):
@@ -143,13 +157,24 @@ def device_footprints(costs, placement, schedule, recompute=None, optimizer_byte
         fixed[device.name][1] += c.trainable_bytes
     out = []
     for name, row in zip(names, schedule.actions):
-        peak, units = peak_held(row, sizes, schedule.split_backward, lambda s: output_grad_bytes(stage_costs[s]))
+        peak, units = peak_held(row, sizes, schedule.split_backward,
+                                lambda s, mb: output_grad_bytes(pairs[mb][0][s]))
         weights, grads = fixed[name]
         opt = (optimizer_state[name] if optimizer_state is not None and name in optimizer_state
                else int(round(optimizer_bytes_per_param * grads)))
         out.append(Footprint(name, weights, grads, opt, int(round(peak)), units,
                              caps.get(name) if caps else None))
     return out
+
+
+def _per_chunk(chunk_costs, placement, chunks: int):
+    """device_footprints' chunk_costs as unit_bytes' per_chunk: per time chunk, that chunk's StageCosts (None: none)."""
+    if chunk_costs is None:
+        return None
+    each = list(chunk_costs) if isinstance(chunk_costs, (list, tuple)) else [chunk_costs] * chunks
+    if len(each) != chunks:
+        raise ValueError(f"chunk_costs gives {len(each)} time chunks, the schedule runs {chunks}")
+    return [c.stages(placement) for c in each]
 
 
 def stage_footprint(stage_cost, row, stage: int, mode: str | None, micro_batches: int, chunks: int = 1,
@@ -161,7 +186,7 @@ def stage_footprint(stage_cost, row, stage: int, mode: str | None, micro_batches
     modes = {stage: mode}
     each = None if per_chunk is None else [{stage: c} for c in per_chunk]
     peak, units = peak_held(row, unit_bytes({stage: stage_cost}, modes, micro_batches, chunks, each), split,
-                            lambda s: output_grad_bytes(stage_cost))
+                            lambda s, mb: output_grad_bytes(stage_cost))
     return Footprint(device, stage_cost.param_bytes, stage_cost.trainable_bytes,
                      int(round(optimizer_bytes_per_param * stage_cost.trainable_bytes)), int(round(peak)), units)
 

@@ -1,6 +1,7 @@
 """Predict a pipeline step: play a schedule with per-stage costs and a link model into a Timeline."""
 from __future__ import annotations
 
+from dataclasses import replace
 from numbers import Real
 from typing import Mapping, Sequence
 
@@ -8,13 +9,15 @@ from ..core import schedules
 from ..core.recompute import recompute_modes, recomputes
 from ..core.schedules import Schedule
 from ..core.timeline import Event, Timeline
+from ..lm import check_sizes
 from ..runtime.link import Channel, Link
+from .costcurve import CostCurve
 from .footprint import output_grad_bytes, peak_held, unit_bytes
 from .profiling import Costs, StageCost
 
 
-def simulate(schedule, costs, placement=None, *, micro_batches: int | None = None, chunks: int | None = None,
-             link: Link | str | None = None,
+def simulate(schedule, costs, placement=None, *, micro_batches: int | Sequence[int] | None = None,
+             chunks: int | None = None, link: Link | str | None = None,
              speed: Mapping[str, float] | Sequence[float] | None = None, cores: float | None = None,
              devices: Sequence[str] | None = None, recompute=None) -> Timeline:
     """Play `schedule` with `costs` and return the predicted Timeline (source "predicted").
@@ -22,6 +25,7 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
         simulate(pipe, profile(model, batch, micro_batches=4))          # a Pipeline's own plan
         simulate(schedule, costs, placement)                            # per-layer Costs + Placement
         simulate("1f1b", [1.0] * 8, micro_batches=32)                   # what would 8 GPUs do?
+        simulate("1f1b", costs, placement, micro_batches=[8, 16, 24, 16])   # unequal micro-batches
 
     schedule: a Schedule, a Pipeline (its schedule, placement, link and recompute), or a
     schedule name (then `micro_batches` is needed, `chunks` for wavefront, and stage s
@@ -31,6 +35,14 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     stage: a StageCost, or a number x meaning F = x, B + W = 2x. Costs are for one
     micro-batch of the whole sequence: with c time chunks each chunk's action takes
     1/c of them (so profile the full-length micro-batch, not one chunk).
+    micro_batches: a count m, or a list of sizes (sentences per micro-batch, side by side) for micro-batches
+    of unequal widths (a Pipeline's own by default); each micro-batch's actions then cost its own width:
+        per-layer Costs      read at each width in proportion to the sequences, from the width they were
+                             profiled at (CostCurve([costs], []).at: one profile, scaled per sequence)
+        a CostCurve          read at each width, at its width profiles' length T0, with the schedule's chunks
+        a list of Costs      one per micro-batch, as given (e.g. [curve.at(T, b) for b in sizes])
+        per-stage costs      those of a micro-batch of the mean width, scaled in proportion
+    and the boxes of the timeline have each micro-batch's own length (Timeline.micro_batch_sizes says them).
     speed: relative speed per device (by name or index); 0.5 is a device twice as
     slow, whose every action takes twice as long.
     cores: for virtual devices sharing a CPU, how many run at full speed at once
@@ -49,20 +61,27 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     chunks a chunk is charged 1/chunks of the costs' bytes; a chunk keeps more than its share (its state
     comes in), so give costs whose chunks were weighed, CostCurve.at(T, b, chunks), as the planner does.
     """
+    sizes = None
+    if isinstance(micro_batches, (list, tuple)):
+        sizes = check_sizes(micro_batches)
+        micro_batches = len(sizes)
     if hasattr(schedule, "schedule") and hasattr(schedule, "placement"):   # a Pipeline
-        if isinstance(costs, Costs) and hasattr(schedule, "model"):
-            costs.check_model(schedule.model)
+        if _per_layer(costs) is not None and hasattr(schedule, "model"):
+            _per_layer(costs).check_model(schedule.model)
+        if sizes is None and micro_batches is None:
+            sizes = getattr(schedule, "micro_batch_sizes", None)
         placement = placement if placement is not None else schedule.placement
         recompute = recompute if recompute is not None else getattr(schedule, "recompute", None)
         link = link if link is not None else getattr(schedule, "link", None)
         schedule = schedule.schedule
     if not isinstance(schedule, (str, Schedule)):
         raise TypeError(f"simulate's schedule: give a name such as 'gpipe', a Schedule or a Pipeline, got {schedule!r}")
-    if isinstance(costs, Costs):
+    per_layer = _per_layer(costs)
+    if per_layer is not None:
         if placement is None:
             raise ValueError("per-layer Costs need the placement to group layers into stages: "
                              "simulate(pipe, costs) or simulate(schedule, costs, placement)")
-        stage_costs = costs.stages(placement)
+        stage_costs = per_layer.stages(placement)      # (a CostCurve's, or a list's, are read per micro-batch below)
     else:
         given = f"text {costs!r}" if isinstance(costs, str) else type(costs).__name__
         try:
@@ -97,7 +116,60 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | None = Non
     if cores is not None and not cores > 0:
         raise ValueError(f"cores={cores}: give a positive number of cores, or None for independent devices")
     modes = recompute_modes(recompute, schedule.num_stages)
-    return _play(schedule, stage_costs, names, Link.parse(link), _speeds(speed, names), cores, modes)
+    each = _per_micro_batch(costs, stage_costs, placement, sizes, schedule)
+    timeline = _play(schedule, stage_costs, names, Link.parse(link), _speeds(speed, names), cores, modes, each)
+    timeline.micro_batch_sizes = sizes
+    return timeline
+
+
+def _per_layer(costs) -> Costs | None:
+    """The per-layer Costs in `costs` (a Costs, a CostCurve's first profile, a list of Costs' first), else None."""
+    if isinstance(costs, Costs):
+        return costs
+    if isinstance(costs, CostCurve):
+        return costs.widths[0]
+    if isinstance(costs, (list, tuple)) and costs and all(isinstance(c, Costs) for c in costs):
+        return costs[0]
+    return None
+
+
+def _per_micro_batch(costs, stage_costs: list[StageCost], placement, sizes, schedule: Schedule):
+    """Each micro-batch's StageCosts at its own width (see simulate), or None when every one costs `stage_costs`."""
+    m = schedule.micro_batches          # (sizes, when given, are m: the schedule was checked against their count)
+    if isinstance(costs, CostCurve):
+        if sizes is None:
+            raise ValueError("a CostCurve holds costs at several widths: give the micro-batches' sizes "
+                             "(micro_batches=[8, 16, 24, 16]), or read it at one shape yourself, curve.at(T, b)")
+        at = {b: costs.at(costs.T0, b, schedule.chunks).stages(placement) for b in set(sizes)}
+        return [at[b] for b in sizes]
+    if isinstance(costs, (list, tuple)) and costs and all(isinstance(c, Costs) for c in costs):
+        if len(costs) != m:
+            raise ValueError(f"{len(costs)} per-layer Costs for {m} micro-batches: give one Costs per micro-batch "
+                             "(each profiled at its own width), or one Costs for all")
+        return [c.stages(placement) for c in costs]
+    if sizes is None:
+        return None
+    if isinstance(costs, Costs):
+        T0, b0 = costs.micro_batch
+        if b0 < 1:
+            raise ValueError(f"these Costs do not say the micro-batch width they were measured at (micro_batch="
+                             f"{costs.micro_batch}), so they cannot be read at the sizes {list(sizes)}; profile them")
+        curve = CostCurve([costs], [])
+        at = {b: stage_costs if b == b0 else curve.at(max(T0, 1), b).stages(placement) for b in set(sizes)}
+        return [at[b] for b in sizes]
+    mean = sum(sizes) / m
+    if len(set(sizes)) == 1:
+        return None
+    at = {b: [_scaled(c, b / mean) for c in stage_costs] for b in set(sizes)}
+    return [at[b] for b in sizes]
+
+
+def _scaled(c: StageCost, factor: float) -> StageCost:
+    """A stage's cost for a micro-batch `factor` times as wide: its times and activations in proportion."""
+    times = {k: getattr(c, k) * factor for k in ("forward", "backward", "backward_input", "backward_weight")}
+    sizes = {k: round(getattr(c, k) * factor) for k in ("output_bytes", "activation_bytes", "input_bytes",
+                                                          "input_saved_bytes")}
+    return replace(c, **times, **sizes)
 
 
 def _stage_cost(s: int, cost) -> StageCost:
@@ -146,7 +218,7 @@ def _items(values) -> list:
 
 
 def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], link: Link,
-          speed: list[float], cores: float | None = None, modes=None) -> Timeline:
+          speed: list[float], cores: float | None = None, modes=None, each=None) -> Timeline:
     """Time every action (schedules.run_order, or _run_shared when devices share cores or
     transfers may queue) and turn that into events.
 
@@ -154,21 +226,26 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
     crossing devices reaches the receiver when the link's Channel for that direction
     says: link.time(bytes) after the send on an idle link, later behind earlier
     transfers. F's activation goes to stage s+1, B's input gradient (same size as
-    stage s-1's output) to stage s-1.
+    stage s-1's output) to stage s-1. `each`: per micro-batch, its own StageCosts (unequal widths); None:
+    `stage_costs` for every one.
     """
     split, chunks, sd = schedule.split_backward, schedule.chunks, schedule.stage_devices
-    n, inf = schedule.num_stages, float("inf")
-    # Seconds per action kind and stage on its own device, before the speed factor.
-    per_kind = {"F": [c.forward / chunks for c in stage_costs],
-                "B": [(c.backward_input if s in split else c.backward) / chunks for s, c in enumerate(stage_costs)],
-                "W": [c.backward_weight / chunks for c in stage_costs]}
+    n, inf, m = schedule.num_stages, float("inf"), schedule.micro_batches
+    each = each or [stage_costs] * m
+
+    def seconds(costs):
+        """Seconds per action kind and stage on its own device, before the speed factor."""
+        return {"F": [c.forward / chunks for c in costs],
+                "B": [(c.backward_input if s in split else c.backward) / chunks for s, c in enumerate(costs)],
+                "W": [c.backward_weight / chunks for c in costs]}
+    tables: dict = {}                   # one table per distinct StageCosts list: micro-batches of a width share it
+    per_kind = [tables.setdefault(id(costs), seconds(costs)) for costs in each]       # [mb][kind][stage]
 
     def outgoing(a):
         """(receiving stage, bytes per time chunk) of the tensor `a` sends to another stage, else None."""
         peer = a.stage + 1 if a.kind == "F" else a.stage - 1 if a.kind == "B" else -1
-        return (peer, int(stage_costs[min(a.stage, peer)].output_bytes / chunks)) if 0 <= peer < n else None
+        return (peer, int(each[a.mb][min(a.stage, peer)].output_bytes / chunks)) if 0 <= peer < n else None
 
-    m = schedule.micro_batches
     recomputed = (lambda a: recomputes(modes[a.stage], a.mb, m)) if modes and any(modes) else (
         lambda a: False)                                            # noqa: E731
 
@@ -177,16 +254,19 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
 
     def cost(d, a):
         # a recomputed micro-batch's B runs its forward again first (its F kept nothing: the same F again)
-        own = per_kind[a.kind][a.stage] + (per_kind["F"][a.stage] if rerun(a) else 0.0)
+        own = per_kind[a.mb][a.kind][a.stage] + (per_kind[a.mb]["F"][a.stage] if rerun(a) else 0.0)
         return own / speed[d]
 
     arrivals: dict = {}                                            # sending action -> when its tensor lands
     if link.bandwidth_Bps == inf and (cores is None or cores >= schedule.num_devices):
         # Without a bandwidth limit transfers never queue: each lands link.time(bytes) after its send.
         # The tensor an action waits for: F(s) gets stage s-1's output, B(s) the gradient of stage s's output.
-        recv = {"F": [0.0] + [link.time(stage_costs[s - 1].output_bytes / chunks) for s in range(1, n)],
-                "B": [link.time(c.output_bytes / chunks) for c in stage_costs], "W": [0.0] * n}
-        played = schedules.run_order(schedule, cost, lambda a: recv[a.kind][a.stage])
+        def landing(costs):
+            return {"F": [0.0] + [link.time(costs[s - 1].output_bytes / chunks) for s in range(1, n)],
+                    "B": [link.time(c.output_bytes / chunks) for c in costs], "W": [0.0] * n}
+        lands: dict = {}
+        recv = [lands.setdefault(id(costs), landing(costs)) for costs in each]          # [mb][kind][stage]
+        played = schedules.run_order(schedule, cost, lambda a: recv[a.mb][a.kind][a.stage])
     else:
         channels: dict = {}                                        # (from device, to device) -> Channel
 
@@ -203,11 +283,11 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
     events = timeline.events
     # activation bytes each action adds or frees (mpedu.predict.footprint's units), so that the predicted timeline's
     # memory_over_time and peak_memory are the memory model's
-    sizes = unit_bytes(stage_costs, modes or [None] * n, m, chunks)
+    sizes = unit_bytes(stage_costs, modes or [None] * n, m, chunks, per_micro_batch=[(c, None) for c in each])
 
     def change(a) -> int:
         kept, full = (round(x) for x in sizes(a.stage, a.mb, a.chunk))
-        grad = round(output_grad_bytes(stage_costs[a.stage]))     # split: B keeps the output's gradient for W
+        grad = round(output_grad_bytes(each[a.mb][a.stage]))      # split: B keeps the output's gradient for W
         if a.kind == "F":
             return kept
         if a.kind == "B" and a.stage not in split:
@@ -216,7 +296,7 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
 
     for d, a, start, end in played:
         if rerun(a):           # the R part takes the forward's share of the action's time
-            f, b = per_kind["F"][a.stage], per_kind["B"][a.stage]
+            f, b = per_kind[a.mb]["F"][a.stage], per_kind[a.mb]["B"][a.stage]
             split_at = start + (end - start) * (f / (f + b) if f + b > 0 else 0.0)
             kept, full = (round(x) for x in sizes(a.stage, a.mb, a.chunk))
             events.append(Event(names[d], "R", a.stage, a.mb, start, split_at, a.chunk, memory=full - kept))
@@ -327,8 +407,9 @@ def predict_epoch(batches, curve, plan, **simulate_args) -> EpochPrediction:
     with the costs of its own micro-batch shape, `curve.at(T, B / m)` (a costcurve.CostCurve).
 
     plan: what runs each step: a Pipeline, or anything with placement, schedule, micro_batches, chunks
-    (and optionally recompute), e.g. a planner Candidate; or a dict {T: such} to run each bucket length
-    its own way (the planner's per-bucket choice). One simulation per distinct shape.
+    (and optionally recompute, and micro_batch_sizes for unequal micro-batches, each then read at its own
+    width), e.g. a planner Candidate; or a dict {T: such} to run each bucket length its own way (the
+    planner's per-bucket choice). One simulation per distinct shape.
     """
     counts: dict = {}
     for b in batches:
@@ -340,20 +421,29 @@ def predict_epoch(batches, curve, plan, **simulate_args) -> EpochPrediction:
         if how is None:
             raise ValueError(f"the plan has no entry for bucket length T={T}; give one for each of "
                              f"{sorted({t for t, _ in counts})}")
-        m = how.micro_batches
-        if B % m:
+        m, sizes = how.micro_batches, getattr(how, "micro_batch_sizes", None)
+        if sizes is not None and sum(sizes) != B:
+            raise ValueError(f"a batch of B={B} columns (T={T}) does not split into micro-batches of sizes "
+                             f"{list(sizes)}, which add up to {sum(sizes)}; use BucketIterator(drop_last=True) so "
+                             "every batch is full")
+        if sizes is None and B % m:
             raise ValueError(f"a batch of B={B} columns (T={T}) does not split into micro_batches={m}; "
                              "use BucketIterator(drop_last=True) so every batch is full, or a divisor of "
                              f"{B}")
         name = how.schedule if isinstance(how.schedule, str) else how.schedule.name
         schedule = schedules.make(name, how.placement.stage_devices, m, how.chunks)
         extra = {"recompute": how.recompute} if getattr(how, "recompute", None) is not None else {}
-        costs = curve.at(T, B // m, how.chunks)
+        if sizes is not None:
+            extra["micro_batches"] = list(sizes)
+            costs = [curve.at(T, b, how.chunks) for b in sizes]
+        else:
+            costs = curve.at(T, B // m, how.chunks)
         step = simulate(schedule, costs, how.placement, **extra, **simulate_args).makespan
         rc = getattr(how, "recompute", None)
         if rc is not None and not isinstance(rc, str):                 # a Pipeline's mode per stage
             modes = set(rc.values() if isinstance(rc, Mapping) else rc)
             rc = modes.pop() if len(modes) == 1 else "per stage"
-        per_shape[T, B] = (count, step, f"{name} m={m}" + (f" c={how.chunks}" if how.chunks > 1 else "")
+        split = m if sizes is None else list(sizes)
+        per_shape[T, B] = (count, step, f"{name} m={split}" + (f" c={how.chunks}" if how.chunks > 1 else "")
                            + (f" recompute={rc}" if rc else ""))
     return EpochPrediction(per_shape)

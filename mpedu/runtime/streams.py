@@ -11,27 +11,40 @@ def chunk_bounds(T: int, chunks: int) -> list[tuple[int, int]]:
 
 
 class MicroBatches:
-    """A step's micro-batches on the host: one (m, T, b) block per tensor, micro-batch i being columns
-    i*b .. (i+1)*b - 1 of the batch, and its (t, b) views per time chunk.
+    """A step's micro-batches on the host, and their (t, b) views per time chunk. Equal ones: one (m, T, b)
+    block per tensor, micro-batch i being columns i*b .. (i+1)*b - 1 of the batch. Unequal ones (`sizes`):
+    one buffer per tensor holding each micro-batch's (T, b_i) columns as a contiguous block, one after
+    the other, so that every micro-batch's views are contiguous as the equal split's are.
+
+        sizes (1, 3, 2, 2) of a (T, 8) batch:   buffer [ (T, 1) | (T, 3) | (T, 2) | (T, 2) ]
 
     A block a GPU reads (the first stage's token ids, the last stage's targets) is copied once
     into page-locked memory: a copy from there does not block the worker, so it can queue
     work ahead of the GPU; from pageable memory every copy would wait for the GPU.
-    On the hot path of every step: one copy per tensor, no mask (the loss skips id 0), and no view
-    made by the caller's thread. The worker that reads a block cuts all its views at its first read,
-    with one call per time chunk: every torch call lets go of Python's interpreter lock, and with two
-    workers computing, a call the other is waiting to run after costs the pair several microseconds
-    (five slices per action made near-empty 1F1B 18 us per action slower, five detaches 4 us).
+    On the hot path of every step: one copy per tensor (per micro-batch and tensor when unequal), no mask
+    (the loss skips id 0), and no view made by the caller's thread. The worker that reads a block cuts all
+    its views at its first read, with one call per time chunk (per micro-batch when unequal): every torch
+    call lets go of Python's interpreter lock, and with two workers computing, a call the other is waiting
+    to run after costs the pair several microseconds (five slices per action made near-empty 1F1B 18 us per
+    action slower, five detaches 4 us).
     """
 
-    def __init__(self, batch, m: int, chunk_bounds, pin_inputs: bool, pin_targets: bool):
-        T, B = batch.inputs.shape        # the caller has checked that m divides B
+    def __init__(self, batch, m: int, chunk_bounds, pin_inputs: bool, pin_targets: bool, sizes=None):
+        T, B = batch.inputs.shape        # the caller has checked that m divides B, or that the sizes add up to B
 
         def block(x, pin):
             x = x.reshape(T, m, B // m).transpose(0, 1)                      # (m, T, b), a view
             return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x) if pin else x.contiguous()
 
-        self._inputs, self._targets = block(batch.inputs, pin_inputs), block(batch.targets, pin_targets)
+        def blocks(x, pin):
+            flat, parts, lo = torch.empty(T * B, dtype=x.dtype, pin_memory=pin), [], 0
+            for b in sizes:                                    # (T, b) of the buffer, from columns lo .. lo+b-1
+                parts.append(flat[T * lo:T * (lo + b)].view(T, b).copy_(x[:, lo:lo + b]))
+                lo += b
+            return parts
+
+        cut = block if sizes is None else blocks
+        self._inputs, self._targets = cut(batch.inputs, pin_inputs), cut(batch.targets, pin_targets)
         self.chunk_bounds = chunk_bounds
         self._views: dict[str, list] = {}      # "inputs" / "targets" -> [chunk][mb] (t, b) views
 
@@ -41,12 +54,16 @@ class MicroBatches:
     def targets(self, mb: int, chunk: int = 0) -> torch.Tensor:
         return self._cut("targets", self._targets)[chunk][mb]
 
-    def _cut(self, name: str, block: torch.Tensor) -> list:
+    def _cut(self, name: str, block) -> list:
         views = self._views.get(name)
         if views is None:        # one worker reads each block (stage 0's the inputs, the last stage's the targets)
             lengths = [hi - lo for lo, hi in self.chunk_bounds]
-            chunks = [block] if len(lengths) == 1 else block.split(lengths, dim=1)     # (m, t, b) each
-            views = self._views[name] = [c.unbind(0) for c in chunks]
+            if isinstance(block, list):             # unequal: a (T, b_i) block per micro-batch
+                views = [list(c) for c in zip(*(part.split(lengths) for part in block))]
+            else:
+                chunks = [block] if len(lengths) == 1 else block.split(lengths, dim=1)     # (m, t, b) each
+                views = [c.unbind(0) for c in chunks]
+            self._views[name] = views
         return views
 
 

@@ -145,7 +145,8 @@ def train(model: LSTMLM, corpus, *, runner=None, epochs: int = EPOCHS, batch_siz
     # built after the runner: the Pipeline moves layers in place, so these are the live Parameters
     optimizer = torch.optim.SGD(model.parameters(), lr=s.lr)
     options = {"lr": float(s.lr), "clip": s.clip, "lr_decay": list(s.lr_decay) if s.lr_decay else None,  # may change
-               "micro_batches": runner.micro_batches, "chunks": runner.chunks}
+               "micro_batches": runner.micro_batches if runner.micro_batch_sizes is None  # unequal: their sizes
+               else list(runner.micro_batch_sizes), "chunks": runner.chunks}
     placement = str(runner.placement) if runner.placement is not None else None
     train_batches, cut = batch_every_split(corpus, s, runner.chunks, make_batches, log)
     torch.manual_seed(s.seed)
