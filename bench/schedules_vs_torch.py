@@ -19,9 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine  # noqa: E402
 
-from mpedu.core.schedules import make, read_csv  # noqa: E402
-from mpedu.predict import simulate  # noqa: E402
-from mpedu.predict.simulator import peak_in_flight  # noqa: E402
+from mpedu.core import schedules  # noqa: E402
+from mpedu.predict import peak_in_flight, simulate  # noqa: E402
+
+make, read_csv = schedules.make, schedules.read_csv
 
 TORCH_NAMES = {"looped_bfs": "LoopedBFS", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 

@@ -5,7 +5,11 @@ import pytest
 from conftest import fake_costs, make_batch, tiny_model
 from mpedu.predict import memory_estimate, CostCurve, device_footprints, predict_epoch
 from mpedu.predict import RECOMPUTE, SCHEDULES, PlanStopped, plan
-from mpedu.predict.planner import EXTRA_SCHEDULES, _enumerate, _simulate, predict
+import mpedu.predict.planner as planner
+from mpedu.predict import predict
+from mpedu.predict.planner import _enumerate, _simulate
+
+EXTRA_SCHEDULES = planner.EXTRA_SCHEDULES
 
 @pytest.fixture(scope="module")
 def model():

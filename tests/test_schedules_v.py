@@ -2,9 +2,11 @@
 schedule files read and written (with the old-B trap refused)."""
 import pytest
 
-from mpedu.core.schedules import Action, Schedule, ScheduleError, from_option, make, read_csv
-from mpedu.predict import simulate
-from mpedu.predict.simulator import peak_in_flight
+from mpedu.core import schedules
+
+Action, Schedule, ScheduleError = schedules.Action, schedules.Schedule, schedules.ScheduleError
+from_option, make, read_csv = schedules.from_option, schedules.make, schedules.read_csv
+from mpedu.predict import peak_in_flight, simulate
 
 
 def v(p: int) -> list[int]:

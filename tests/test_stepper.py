@@ -11,7 +11,7 @@ pytest.importorskip("anywidget")
 from conftest import make_batch, tiny_model  # noqa: E402
 from mpedu.core import schedules  # noqa: E402
 from mpedu.course import PipelineExplorer, StepThrough, TimelineView, step_through, walk_timeline  # noqa: E402
-from mpedu.course.stepper import STEPPER_CSS, STEPPER_ESM  # noqa: E402
+import mpedu.course.stepper as stepper  # noqa: E402
 from mpedu.predict import Costs, StageCost, simulate  # noqa: E402
 
 # Worked out by hand from the schedules' rows and the costs: "k device action <- device of what it waits for and
@@ -189,11 +189,11 @@ def test_the_widget_syncs_each_steps_boxes_words_and_where_the_page_is():
 
 
 def test_the_page_reads_every_synced_trait_fetches_nothing_and_writes_legibly():
-    read = set(re.findall(r'model\.get\("(\w+)"\)', STEPPER_ESM))
+    read = set(re.findall(r'model\.get\("(\w+)"\)', stepper.STEPPER_ESM))
     assert read == set(TimelineView.class_own_traits(sync=True)) | set(StepThrough.class_own_traits(sync=True))
-    code = STEPPER_ESM + STEPPER_CSS
+    code = stepper.STEPPER_ESM + stepper.STEPPER_CSS
     assert "http" not in code.replace("http://www.w3.org/2000/svg", "") and "import " not in code
-    sizes = [int(s) for s in re.findall(r"font-size:\s*(\d+)px", STEPPER_CSS)]
+    sizes = [int(s) for s in re.findall(r"font-size:\s*(\d+)px", stepper.STEPPER_CSS)]
     assert sizes and min(sizes) >= 11
 
 

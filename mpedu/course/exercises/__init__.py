@@ -19,6 +19,7 @@ was waiting for, and every thread a check starts has ended when it returns.
 """
 from __future__ import annotations
 
+from .answers import ANSWERS, answer
 from .base import Check
 from .loops import check_gpipe, check_naive, check_worker
 from .parts import check_boundary, check_loss, check_play
@@ -53,4 +54,4 @@ def judge(prediction, actual: bool, claim: str, why: str) -> Check:
     return Check(prediction == actual, [f"{verdict}: it is {'true' if actual else 'false'} that {claim}", why])
 
 
-__all__ = ["CHECKS", "Check", "check", "check_schedule", "judge"]
+__all__ = ["ANSWERS", "CHECKS", "Check", "answer", "check", "check_schedule", "judge"]
