@@ -559,3 +559,16 @@ def test_a_v_schedule_gets_the_v_placement_by_default_and_a_capped_one_its_cap(c
     code, out, err = run(capsys, "train", *QUICK, "--schedule", "zbv", "--placement",
                          "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "--out", str(tmp_path))
     assert code != 0 and "zbv needs the V placement" in err
+
+
+def test_micro_batches_of_unequal_size_from_the_command_line(capsys, tmp_path):
+    code, out, err = run(capsys, "train", *QUICK, "--micro-batches", "2,6,6,2", "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    assert "4 micro-batches of 2, 6, 6, 2 sentences" in out
+    summary = last_json(out)
+    assert summary["micro_batches"] == 4 and summary["micro_batch_sizes"] == [2, 6, 6, 2]
+    code, out, err = run(capsys, "train", *QUICK, "--micro-batches", "2,6,6", "--out", str(tmp_path))
+    assert code != 0 and "--micro-batches 2,6,6 adds up to 14 sentences, but --batch-size is 16" in err
+    with pytest.raises(SystemExit):
+        main(["train", *QUICK, "--micro-batches", "2,0"])
+    assert "sentences per micro-batch such as 8,16,24,16 (whole numbers >= 1), got '2,0'" in capsys.readouterr().err

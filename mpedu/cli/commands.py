@@ -17,7 +17,7 @@ from ..training.history import diverged
 from ..training.loop import CHECKPOINT_EVERY, train
 from ..training.recipes import RECIPES
 from .options import (add_training_options, apply_recipe, count, folder, join_dash_values, json_line, link_help,
-                      parse_link, parse_memory_cap, positive_int, shorten)
+                      micro_batch_option, parse_link, parse_memory_cap, positive_int, shorten)
 
 EXAMPLES = """\
 examples:
@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "gpipe); zbv, dualpipev on the V placement (the default placement for them); zb_cap<k>, zero "
                       "bubble holding at most k micro-batches per device; or a file of your own, one line of "
                       "actions per device (0F0 0F1 0B0 0B1), or PyTorch's .csv")
-    pipe.add_argument("--micro-batches", type=positive_int, metavar="M",
-                      help="micro-batches per batch, at most --batch-size (default: the recipe's; laptop: 8, "
+    pipe.add_argument("--micro-batches", type=micro_batch_option, metavar="M",
+                      help="micro-batches per batch, at most --batch-size, or the sentences of each, adding up to "
+                           "--batch-size: 8,16,24,16 (unequal micro-batches) (default: the recipe's; laptop: 8, "
                            "others: 4)")
     pipe.add_argument("--chunks", type=positive_int, default=1, metavar="C",
                       help="time chunks per sequence, for --schedule wavefront (default: 1)")
@@ -171,7 +172,11 @@ def run_train(args) -> int:
     args.resuming = _the_runs_own_settings(args)
     # Settings a schedule cannot meet are refused before one is built (a schedule with a
     # billion micro-batches or chunks would take that long to write down).
-    if args.micro_batches > args.batch_size:
+    if isinstance(args.micro_batches, list) and sum(args.micro_batches) != args.batch_size:
+        sizes = ",".join(map(str, args.micro_batches))
+        return _error(f"--micro-batches {sizes} adds up to {sum(args.micro_batches)} sentences, but --batch-size is "
+                      f"{args.batch_size}: give sizes that add up to the batch size, or a count such as 4")
+    if not isinstance(args.micro_batches, list) and args.micro_batches > args.batch_size:
         return _error(f"--micro-batches {args.micro_batches} is more than --batch-size {args.batch_size}: each "
                       f"micro-batch needs at least one sentence; use at most {args.batch_size}")
     longest = args.bptt or int(corpus.train.lengths().max())
@@ -274,7 +279,9 @@ def _train_in(args, corpus, recipe) -> int:
     pipelined = not isinstance(runner, SingleDevice)
     if not pipelined and (args.schedule != "gpipe" or args.micro_batches_given):
         print("note: --schedule and --micro-batches apply to a pipeline; --devices 1 runs the single-device model")
+    sizes = runner.micro_batch_sizes if pipelined else None
     where = (f"pipeline {runner.placement}, schedule {runner.schedule.name}, {runner.micro_batches} micro-batches"
+             + (f" of {', '.join(map(str, sizes))} sentences" if sizes and len(set(sizes)) > 1 else "")
              + (f", link {runner.link}" if runner.link.emulated else "") if pipelined
              else f"single device (cpu, {plural(torch.get_num_threads(), 'intra-op thread')})")
     print(f"mpedu train: {args.config} model on {corpus.name} ({len(corpus.vocab):,} words, "
@@ -345,7 +352,7 @@ def _report(args, corpus, recipe, runner, history, pipelined) -> int:
         if pipelined:
             summary.update(devices=[str(d) for d in runner.devices], placement=str(runner.placement),
                            schedule=runner.schedule.name, micro_batches=runner.micro_batches,
-                           link=runner.link.name,
+                           micro_batch_sizes=list(runner.micro_batch_sizes or []), link=runner.link.name,
                            bubble_fraction_over="mean of all training steps",
                            **(baselines.summary() if baselines else {}))
         else:

@@ -36,6 +36,19 @@ def positive_int(text: str) -> int:
     return _whole(text, 1)
 
 
+def micro_batch_option(text: str) -> int | list[int]:
+    """--micro-batches: a count (4: equal micro-batches) or the sentences of each, "8,16,24,16" (unequal; they add
+    up to --batch-size, which the command checks)."""
+    if "," not in text:
+        return positive_int(text)
+    parts = [part.strip() for part in text.split(",")]
+    try:
+        return [_whole(part, 1) for part in parts]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a count such as 4, or sentences per micro-batch such as "
+                                         f"8,16,24,16 (whole numbers >= 1), got {text!r}") from None
+
+
 def count(text: str) -> int:
     return _whole(text, 0)
 
