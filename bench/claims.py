@@ -223,8 +223,8 @@ def zero_bubble(model, batch, rounds: int) -> list:
     pipes = pipelines(model, batch, {"1F1B": (SPLIT, "1f1b", 8), "zero bubble (ZB-H1)": (SPLIT, "zb1", 8)})
     times, cores = around(lambda: in_turn(steps(pipes), rounds=rounds, seconds=makespan))
     close(pipes, model)
-    return [compare("nb07: zero bubble keeps up with 1F1B (at most 3% slower)", times, "zero bubble (ZB-H1)", "1F1B",
-                    margin=0.97, cores=cores)]
+    return [compare("nb07: zero bubble keeps up with 1F1B (at most 15% slower)", times, "zero bubble (ZB-H1)", "1F1B",
+                    margin=0.85, cores=cores)]
 
 
 def wavefront(model, batch, rounds: int) -> list:

@@ -1,4 +1,4 @@
-"""The checked exercises of notebooks 0, 1, 2 and 6 (`exercises.answer`): each accepts the right answer, names
+"""The checked exercises of notebooks 0, 1, 2 and 4 to 9 (`exercises.answer`): each accepts the right answer, names
 typical wrong ones in words with a hint, and says "not done yet" to a placeholder. What depends on the machine
 (a timeline, a memory report) comes from a run here, and the check is judged against that run."""
 import math
@@ -6,9 +6,12 @@ import math
 import numpy as np
 import pytest
 
+import torch
+
 import mpedu
+from mpedu.core import schedules
 from mpedu.course import exercises
-from mpedu.predict import memory_report
+from mpedu.predict import balance_by_time, device_footprints, memory_report, simulate
 
 answer = exercises.answer
 
@@ -30,7 +33,10 @@ def says(result, *parts, ok=False):
 
 NEEDS = {"01.2": dict(lengths=[3, 5], bucket=np.ones((5, 2), bool), random=np.ones((5, 2), bool)),
          "01.3": dict(vocab_size=3289), "02.2": dict(timeline=None, placement=None),
-         "02.3": dict(report=None, costs=None, placement=None), "06.2": dict(sentences=None)}
+         "02.3": dict(report=None, costs=None, placement=None), "06.2": dict(sentences=None),
+         "04.3": dict(costs=None, costs32=None, one_device=None, placement=None), "09.2": dict(ranks=None),
+         "05.1": dict(model=None, batch=None, costs=None, micro_batches=4),
+         "05.2": dict(model=None, batch=None, costs=None, micro_batches=4)}
 
 
 @pytest.mark.parametrize("exercise", list(exercises.ANSWERS))
@@ -184,3 +190,131 @@ def test_the_sentences_drop_last_skips(corpus):
     says(answer("06.2", batches, **given), "counts the batches drop_last skips")
     says(answer("06.2", 31 * len({b.bucket for b in full}), **given), "the most it could skip, 31 per bucket")
     says(answer("06.2", 0, **given), "drop_last skips each bucket's last batch")
+
+
+# ---- notebooks 4, 5, 7, 8 and 9 --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("exercise, right, wrong", [
+    ("04.2", "b", {"a": "device 0 waits until the batch has come back", "c": "each GPU holds only some layers"}),
+    ("07.2", "a", {"b": "in the steady state a 1F1B device is never idle", "c": "freeing memory saves no compute"}),
+    ("07.4", "a", {"b": "the planner says so instead of returning it", "c": "recomputation is already among"}),
+    ("08.2", "a", {"b": "the previous step is t + 1", "c": "memory is not what stops it"}),
+    ("08.3", "a", {"b": "stage s's layers have states of their own", "c": "reads the layer below's output"}),
+    ("09.1", "a", {"b": "the optimizer steps once per batch", "c": "in the order 0, 1, 2, 3"}),
+])
+def test_the_later_notebooks_choices(exercise, right, wrong):
+    test_a_choice_accepts_its_answer_and_explains_each_wrong_one(exercise, right, wrong)
+
+
+def test_gpipe_s_bubble_for_four_devices():
+    says(answer("04.1", (3 / 7, 28)), "correct: bubble 3/7 = 42.9%", "under 10% from m = 28", ok=True)
+    says(answer("04.1", (0.75, 28)), "is (p - 1)/m, the papers' bubble", "hint: (p - 1)/(m + p - 1)")
+    says(answer("04.1", (0.2, 28)), "the bubble for p = 2 devices")
+    says(answer("04.1", (42.9, 28)), "not a percentage")
+    says(answer("04.1", (0.43, 27)), "10% exactly, not under 10%")
+    says(answer("04.1", (0.43, 31)), "solves (p - 1)/m <= 0.1, the papers' ratio")
+    says(answer("04.1", 0.43), "give a pair")
+
+
+@pytest.fixture(scope="module")
+def nb04(corpus):
+    torch.manual_seed(0)
+    model = mpedu.LSTMLM.from_config("small", vocab_size=len(corpus.vocab), num_layers=4)
+    batch = next(b for b in mpedu.BucketIterator(corpus.train, batch_size=32, shuffle=False)
+                 if b.bucket == 32 and b.inputs.shape[1] == 32)
+    costs = {m: mpedu.profile(model, batch, "vgpu:0", micro_batches=m, warmup=0, repeats=1) for m in (4, 8)}
+    costs32 = mpedu.profile(model, batch, "vgpu:0", micro_batches=32, warmup=0, repeats=1)
+    return dict(costs=costs, costs32=costs32, one_device=mpedu.Placement.parse("embed,lstm0-3,decode:vgpu0", model),
+                placement=mpedu.Placement.parse("embed,lstm0-2:vgpu0 | lstm3,decode:vgpu1", model))
+
+
+def test_the_speed_up_at_32_micro_batches_is_judged_against_this_profile(nb04):
+    speedup, step = {}, {}
+    for m, c in ((8, nb04["costs"][8]), (32, nb04["costs32"])):
+        step[m] = simulate("gpipe", c, nb04["placement"], micro_batches=m).makespan
+        speedup[m] = simulate("gpipe", c, nb04["one_device"], micro_batches=m).makespan / step[m]
+    step[4] = simulate("gpipe", nb04["costs"][4], nb04["placement"], micro_batches=4).makespan
+    grows, faster = speedup[32] > speedup[8], step[32] < step[4]
+    says(answer("04.3", (grows, faster), **nb04), "correct: predicted speed-up", ok=True)
+    says(answer("04.3", (not grows, faster), **nb04), "the speed-up " + ("grew" if grows else "did not grow"),
+         "hint: the bubble shrinks with m")
+    says(answer("04.3", (grows, not faster), **nb04), "a ratio is not a step time")
+    says(answer("04.3", (not grows, not faster), **nb04), "the speed-up ")
+    says(answer("04.3", ("yes", "no"), **nb04), "give two answers True or False")
+
+
+@pytest.fixture(scope="module")
+def nb05(corpus):
+    torch.manual_seed(0)
+    model = mpedu.LSTMLM.from_config("small", vocab_size=len(corpus.vocab), num_layers=4)
+    batch = next(iter(mpedu.StreamIterator(corpus.train, batch_size=32, bptt=35)))
+    costs = mpedu.profile(model, batch, "vgpu:0", micro_batches=4, warmup=0, repeats=1)
+    return dict(model=model, batch=batch, costs=costs, micro_batches=4)
+
+
+def _footprint(nb05, placement):
+    gpipe = schedules.make("gpipe", placement.stage_devices, 4)
+    return {f.device: f.total for f in device_footprints(nb05["costs"], placement, gpipe)}
+
+
+def test_the_device_that_needs_the_most_memory(nb05):
+    balanced = balance_by_time(nb05["model"], nb05["batch"], 3, micro_batches=4, costs=nb05["costs"])
+    need = _footprint(nb05, balanced)
+    top = max(need, key=need.get)
+    says(answer("05.1", top, **nb05), f"correct: {top} (", "the most of the balanced split", ok=True)
+    says(answer("05.1", int(top[-1]), **nb05), "correct: ", ok=True)
+    decode = next(str(d) for d, names in balanced.stages if "decode" in names)
+    if decode != top:
+        says(answer("05.1", decode, **nb05), "decode costs the most *time*")
+    other = next(d for d in need if d not in (top, decode))
+    says(answer("05.1", other, **nb05), f"not yet: {other} (", f"; {top} (")
+    says(answer("05.1", "vgpu:5", **nb05), "the balanced 3-device split runs on vgpu:0, vgpu:1, vgpu:2")
+
+
+def test_what_the_memory_cap_costs(nb05):
+    model, batch, costs = nb05["model"], nb05["batch"], nb05["costs"]
+    balanced = balance_by_time(model, batch, 3, micro_batches=4, costs=costs)
+    capped = balance_by_time(model, batch, 3, micro_batches=4, memory_cap=40e6, costs=costs)
+    assert max(_footprint(nb05, capped).values()) <= 40e6 < max(_footprint(nb05, balanced).values())
+    step, capped_step = (simulate("gpipe", costs, p, micro_batches=4).makespan * 1e3 for p in (balanced, capped))
+    extra = capped_step - step
+    says(answer("05.2", (True, extra), **nb05), f"correct: yes, at {extra:.1f} ms more per step", ok=True)
+    says(answer("05.2", (False, extra), **nb05), "balance_by_time(..., memory_cap=40e6) returns")
+    says(answer("05.2", (True, capped_step), **nb05), "is the capped step itself")
+    says(answer("05.2", (True, -extra), **nb05), "upside down")
+    says(answer("05.2", (True, 0), **nb05), "the cap is not free")
+    says(answer("05.2", ("yes", extra), **nb05), "with True or False")
+
+
+def test_the_micro_batches_stage_2_holds_in_1f1b():
+    says(answer("07.1", 2), "correct: 2: p - s = 4 - 2", "holds 4 3 2 1", ok=True)
+    says(answer("07.1", 1), "stage 2's warm-up forwards")
+    says(answer("07.1", 3), "stage 1's: stages count from 0")
+    says(answer("07.1", 4), "stage 0's")
+    says(answer("07.1", 8), "what GPipe holds")
+
+
+def test_the_micro_batches_1f1b_needs_on_eight_devices():
+    says(answer("07.3", (64, 64)), "correct: m = 64 (9.9%)", ok=True)
+    says(answer("07.3", (32, 32)), "m = 32: 17.9%", "hint: the same as GPipe's")
+    says(answer("07.3", (64, 8)), "what 1F1B holds")
+    says(answer("07.3", (64, 512)), "all 8 devices together")
+
+
+def test_the_wavefront_s_bubble():
+    says(answer("08.1", (3 / 11, 3 / 19)), "correct: 27.3% = 3/11 with m = 1 and 15.8% = 3/19", ok=True)
+    says(answer("08.1", (3 / 8, 3 / 19)), "(p - 1)/c, the papers' ratio")
+    says(answer("08.1", (3 / 11, 3 / 11)), "16 units of work")
+    says(answer("08.1", (3 / 11, 3 / 13)), "multiply, m x c, they do not add")
+    says(answer("08.1", (27.3, 15.8)), "not percentages")
+
+
+def test_the_hand_off_between_two_nodes(corpus):
+    from mpedu.distributed import rank_placement
+    eight = rank_placement(mpedu.LSTMLM.from_config("mxnet8", vocab_size=len(corpus.vocab)), None, world_size=8)
+    says(answer("09.2", ((3, 4), False), ranks=eight), "correct: ", "from rank 3 to rank 4 crosses the network",
+         "interleaved is refused", ok=True)
+    says(answer("09.2", ((0, 4), False), ranks=eight), "ranks 0 and 4 exchange nothing")
+    says(answer("09.2", ((7, 0), False), ranks=eight), "nothing goes from the last rank back to the first")
+    says(answer("09.2", ((4, 3), False), ranks=eight), "the forward goes from rank 3 to rank 4")
+    says(answer("09.2", ((3, 4), True), ranks=eight), "the hand-off (3, 4) is right; interleaved is refused")

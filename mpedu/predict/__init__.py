@@ -14,7 +14,8 @@ from .planner import RECOMPUTE, SCHEDULES, plan, plan_buckets, predict, search_s
 from .plans import Candidate, PlanStopped
 from .profiling import Costs, StageCost, profile
 from .ranking import Measurement, kendall_tau, measure, tau_apart, told_apart
-from .simulator import peak_in_flight, predict_epoch, simulate
+from .epochs import predict_epoch
+from .simulator import peak_in_flight, simulate
 
 __all__ = [
     "Candidate", "CostCurve", "Costs", "DeviceMemory", "GPUSpec", "Measurement", "MemoryCapError", "MemoryGuard",

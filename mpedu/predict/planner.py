@@ -324,7 +324,7 @@ def _simulate(option: _Option, link, cores) -> float:
 def plan_buckets(model, batches, devices, curve: CostCurve, memory_cap=None, **plan_args) -> dict:
     """The fastest plan within the cap for each bucket length of `batches` (a BucketIterator, Batches
     or (T, B) shapes): {T: Candidate}. Costs come from `curve` at each length, so short buckets may
-    prefer more micro-batches or another schedule. Hand the result to simulate.predict_epoch."""
+    prefer more micro-batches or another schedule. Hand the result to predict_epoch (epochs)."""
     widths: dict = {}
     for b in batches:
         T, B = tuple(b.inputs.shape) if hasattr(b, "inputs") else tuple(b)

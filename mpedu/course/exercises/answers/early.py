@@ -1,77 +1,13 @@
-"""Checks for the exercises at the end of notebooks 0, 1, 2 and 6. The learner sets a placeholder to an answer
-(a number, a name, a choice between stated options, or a function), and `answer` says "correct: ..." or what is
-wrong, with a hint towards the right reasoning:
-
-    answer("00.2", 1.5)                                      # notebook 0, exercise 2: a number
-    answer("00.3", "b")                                      # a choice: the options are listed while not done yet
-    answer("01.2", 0.74, lengths=lengths, ...)               # a number the check computes from the notebook's data
-    answer("02.1", naive_bubble)                             # a function, tried on stage costs against the simulator
-    answer("02.2", "vgpu:2", timeline=three.timeline, ...)   # judged against this run's measured timeline
-
-An exercise is "NN.k": notebook NN, exercise k. ANSWERS[exercise] is its `Exercise`: what to set (`ask`), a
-hint, and the notebook objects the check needs (`needs`, passed as keywords). Whatever depends on the machine
-(a timeline, a memory report, the corpus's lengths) is passed in from the notebook, never written here, so that
-an answer is judged against the learner's own run. A placeholder left as None, or a function that still raises
-NotImplementedError, gets "not done yet: ..." with the hint, and fails nothing: the committed notebooks keep
-their placeholders, and a hidden cell after each runs the check on a worked answer.
-"""
+"""The exercises of notebooks 0, 1, 2 and 6: devices, the language model, naive model parallelism, bucketing."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable
 
-from ...lm import CONFIGS, BucketIterator
-from ...predict import simulate
-from ...runtime import Link
-from .base import Check
-
-
-@dataclass
-class Exercise:
-    """One exercise's check: `judge(value, **needs)` gives the verdict for an answer that is not None."""
-
-    ask: str                                        # what to set, as "not done yet" says it
-    hint: str
-    judge: Callable[..., Check]
-    needs: tuple[str, ...] = ()                     # the notebook objects the check is given
-    options: dict[str, str] = field(default_factory=dict)     # a choice's options, by letter
-
-
-def _ok(*lines: str) -> Check:
-    return Check(True, ["correct: " + lines[0], *lines[1:]])
-
-
-def _wrong(*lines: str) -> Check:
-    return Check(False, ["not yet: " + lines[0], *lines[1:]])
-
-
-def _number(value, what: str) -> float | Check:
-    """A learner's number as a float, or the Check that says it is not one."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-        return _wrong(f"{what} should be a number, got {value!r}")
-    number = float(value)
-    if not math.isfinite(number):
-        return _wrong(f"{what} should be a finite number, got {number}")
-    return number
-
-
-def _near(x: float, target: float, rel: float) -> bool:
-    return abs(x - target) <= rel * abs(target)
-
-
-# ---- choices ---------------------------------------------------------------------------------------------
-
-def _choice(ask: str, hint: str, right: str, options: dict[str, tuple[str, str]]) -> Exercise:
-    """An exercise answered by one letter of `options` (letter: (the option's text, why it is right or wrong))."""
-    def judge(value):
-        letter = str(value).strip().strip("()").lower()
-        if letter not in options:
-            return _wrong(f"answer {value!r}: choose one of {', '.join(repr(k) for k in options)}")
-        text, why = options[letter]
-        return _ok(f"{letter}) {text}", why) if letter == right else _wrong(f"{letter}) {text}", why)
-    return Exercise(ask, hint, judge, options={k: text for k, (text, _) in options.items()})
-
+from ....lm import CONFIGS, BucketIterator
+from ....predict import simulate
+from ....runtime import Link
+from ..base import Check
+from .common import Exercise, _choice, _device_name, _layers_by_device, _near, _number, _ok, _wrong
 
 # ---- notebook 0 --------------------------------------------------------------------------------------------
 
@@ -223,20 +159,6 @@ def _naive_bubble(value) -> Check:
                   "(p x step)")
 
 
-def _device_name(value) -> str:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return f"vgpu:{value}"
-    text = str(value).strip()
-    return text if ":" in text else text.replace("vgpu", "vgpu:").replace("cuda", "cuda:")
-
-
-def _layers_by_device(placement) -> dict[str, list[str]]:
-    held: dict[str, list[str]] = {}
-    for device, names in placement.stages:
-        held.setdefault(str(device), []).extend(names)
-    return held
-
-
 def _busiest(value, timeline, placement) -> Check:
     device = _device_name(value)
     busy = {d: timeline.busy(d) for d in timeline.devices}
@@ -320,9 +242,7 @@ def _skipped(value, sentences, batch_size: int = 32) -> Check:
                   "batch_size=32, drop_last=True), and again without drop_last, and subtract")
 
 
-# ---- the registry --------------------------------------------------------------------------------------------
-
-ANSWERS: dict[str, Exercise] = {
+EARLY: dict[str, Exercise] = {
     "00.1": _choice(
         "set `bigger_work` to the letter of your answer", "what does each job cost besides its arithmetic, and does "
         "that part grow with H?", "a", {
@@ -401,22 +321,3 @@ ANSWERS: dict[str, Exercise] = {
                   "stream sits in micro-batch 0"),
         }),
 }
-
-
-def answer(exercise: str, value, **given) -> Check:
-    """Check the learner's `value` for `exercise` ("NN.k", a key of ANSWERS), given the notebook objects the
-    exercise needs (ANSWERS[exercise].needs, as keywords). None: not done yet, with the hint."""
-    if exercise not in ANSWERS:
-        raise ValueError(f"exercise {exercise!r}: choose one of {', '.join(ANSWERS)}")
-    ex = ANSWERS[exercise]
-    missing = [name for name in ex.needs if name not in given]
-    if missing:
-        raise TypeError(f"answer({exercise!r}, ...) needs {', '.join(f'{n}=...' for n in missing)} from the notebook")
-    options = [f"  {k}) {text}" for k, text in ex.options.items()]
-    if value is None:
-        return Check(False, [f"not done yet: {ex.ask}, then run this cell again", *options, f"hint: {ex.hint}"])
-    try:
-        return ex.judge(value, **{name: given[name] for name in ex.needs})
-    except NotImplementedError:
-        return Check(False, ["not done yet: replace the `raise NotImplementedError` with your code, then run this "
-                             "cell again", f"hint: {ex.hint}"])
