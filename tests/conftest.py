@@ -128,3 +128,18 @@ def one_thread():
 @pytest.fixture
 def batch():
     return make_batch()
+
+
+@pytest.fixture
+def drawn_masks(monkeypatch) -> list:
+    """Every dropout mask drawn from now on, from any device's thread: (layer, position, mask), in draw order."""
+    from mpedu.lm import dropout, keep_mask
+    drawn = []
+
+    def recording(p, layer, shape, where, device="cpu"):
+        mask = keep_mask(p, layer, shape, where, device)
+        drawn.append((layer, where, mask))
+        return mask
+
+    monkeypatch.setattr(dropout, "keep_mask", recording)
+    return drawn

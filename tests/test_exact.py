@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_batch, tiny_model
-from mpedu.lm import Batch, LMConfig, LSTMLM, StreamIterator, dropout, keep_mask
+from mpedu.lm import Batch, LMConfig, LSTMLM, StreamIterator
 from mpedu.core import Pipeline, SingleDevice
 from mpedu.training import evaluate
 from test_distributed import torchrun, torchrun_job
@@ -70,16 +70,9 @@ def assert_same(got, expected, exact=False):
 
 
 @pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=IDS)
-def test_every_schedule_applies_exactly_the_single_device_masks(monkeypatch, schedule, placement, m, chunks):
+def test_every_schedule_applies_exactly_the_single_device_masks(drawn_masks, schedule, placement, m, chunks):
     """Each (micro-batch, chunk) draws its slice; put together, the slices are the one-device masks, bit for bit."""
-    drawn = []          # (layer, position, mask), appended from every device's thread
-
-    def recording(p, layer, shape, where, device="cpu"):
-        mask = keep_mask(p, layer, shape, where, device)
-        drawn.append((layer, where, mask))
-        return mask
-
-    monkeypatch.setattr(dropout, "keep_mask", recording)
+    drawn = drawn_masks          # (layer, position, mask), appended from every device's thread
     batch = make_batch(T=9, B=8)
     one_device(tiny_model(dropout=P), [batch], seed=3)
     expected = {layer: mask for layer, _, mask in drawn}

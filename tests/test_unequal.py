@@ -8,7 +8,7 @@ import torch
 
 from conftest import fake_costs, lm, make_batch, tiny_model
 from mpedu.core import Pipeline, Placement, SingleDevice, Timeline, fit_width, fitted, one_f_one_b
-from mpedu.lm import check_sizes, dropout, keep_mask
+from mpedu.lm import check_sizes
 from mpedu.predict import CostCurve, device_footprints, memory_estimate, predict_epoch, profile, simulate
 from mpedu.training import evaluate
 from test_exact import assert_same, one_device, pipelined, stream
@@ -47,16 +47,9 @@ def test_unequal_micro_batches_give_the_single_device_loss_and_gradients(schedul
 
 @pytest.mark.parametrize("schedule,placement,sizes,chunks", [("gpipe", THREE, [1, 3, 2, 2], 1),
                                                              ("wavefront", TWO, [3, 5], 3)])
-def test_each_unequal_micro_batch_draws_its_slice_of_the_single_device_masks(monkeypatch, schedule, placement, sizes,
+def test_each_unequal_micro_batch_draws_its_slice_of_the_single_device_masks(drawn_masks, schedule, placement, sizes,
                                                                               chunks):
-    drawn = []          # (layer, position, mask), appended from every device's thread
-
-    def recording(p, layer, shape, where, device="cpu"):
-        mask = keep_mask(p, layer, shape, where, device)
-        drawn.append((layer, where, mask))
-        return mask
-
-    monkeypatch.setattr(dropout, "keep_mask", recording)
+    drawn = drawn_masks
     batch = make_batch(T=9, B=8)
     one_device(tiny_model(dropout=0.3), [batch], seed=3)
     expected = {layer: mask for layer, _, mask in drawn}

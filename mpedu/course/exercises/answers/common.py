@@ -72,3 +72,12 @@ def _pair(value, name: str, example: str) -> tuple | Check:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         return _wrong(f"{name} = {value!r}: give a pair, {example}")
     return tuple(value)
+
+
+def _numbers(value, name: str, example: str, whats: tuple[str, str]) -> tuple[float, float] | Check:
+    """A learner's pair of numbers as floats, or the Check that says what is wrong with it."""
+    pair = _pair(value, name, example)
+    if isinstance(pair, Check):
+        return pair
+    numbers = tuple(_number(x, what) for x, what in zip(pair, whats))
+    return next((x for x in numbers if isinstance(x, Check)), numbers)

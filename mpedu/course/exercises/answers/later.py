@@ -4,7 +4,7 @@ from __future__ import annotations
 from ....predict import simulate
 from ....runtime import Link
 from ..base import Check
-from .common import Exercise, _choice, _device_name, _layers_by_device, _number, _ok, _pair, _wrong
+from .common import Exercise, _choice, _device_name, _layers_by_device, _number, _numbers, _ok, _pair, _wrong
 
 
 # ---- notebook 4 --------------------------------------------------------------------------------------------
@@ -18,14 +18,11 @@ def _textbook(schedule: str, p: int, m: int, chunks: int = 1):
 
 
 def _gpipe_bubble(value) -> Check:
-    pair = _pair(value, "gpipe_bubble", "(the bubble for p = 4, m = 4, the fewest micro-batches under 10%), "
-                 "e.g. (0.5, 12)")
-    if isinstance(pair, Check):
-        return pair
-    bubble, fewest = (_number(x, what) for x, what in zip(pair, ("the bubble", "the micro-batches")))
-    for x in (bubble, fewest):
-        if isinstance(x, Check):
-            return x
+    numbers = _numbers(value, "gpipe_bubble", "(the bubble for p = 4, m = 4, the fewest micro-batches under 10%), "
+                       "e.g. (0.5, 12)", ("the bubble", "the micro-batches"))
+    if isinstance(numbers, Check):
+        return numbers
+    bubble, fewest = numbers
     p, m = 4, 4
     want = _textbook("gpipe", p, m).bubble_fraction
     if 1 < bubble <= 100:
@@ -188,14 +185,11 @@ def _stage2_holds(value) -> Check:
 
 
 def _under_10(value) -> Check:
-    pair = _pair(value, "under_10", "(the first m of 8, 16, 32, 64 with 1F1B's bubble under 10% for p = 8, the "
-                 "micro-batches GPipe holds per device at that m), e.g. (16, 16)")
-    if isinstance(pair, Check):
-        return pair
-    m, holds = (_number(x, w) for x, w in zip(pair, ("m", "what GPipe holds")))
-    for x in (m, holds):
-        if isinstance(x, Check):
-            return x
+    numbers = _numbers(value, "under_10", "(the first m of 8, 16, 32, 64 with 1F1B's bubble under 10% for p = 8, "
+                       "the micro-batches GPipe holds per device at that m), e.g. (16, 16)", ("m", "what GPipe holds"))
+    if isinstance(numbers, Check):
+        return numbers
+    m, holds = numbers
     from ....predict import peak_in_flight
     bubbles = {k: _textbook("1f1b", 8, k).bubble_fraction for k in (8, 16, 32, 64)}
     first = next(k for k, b in bubbles.items() if b < 0.1)
