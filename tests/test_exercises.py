@@ -128,7 +128,8 @@ def threaded_play(schedule, run):
 
 
 def test_the_play_check_accepts_threads_and_names_a_one_thread_deadlock_within_its_timeout():
-    assert check("play", threaded_play).ok
+    right = check("play", threaded_play)
+    assert right.ok and str(right).startswith("correct: each device played its row of GPipe and of 1F1B on its own")
     before = threading.active_count()
     started = time.perf_counter()
     one_thread = check("play", lambda schedule, run: [run(a) for row in schedule.actions for a in row])
@@ -144,6 +145,7 @@ def test_the_play_check_wants_each_row_in_its_order():
                                                schedule.actions]), run)
     wrong = check("play", sorted_rows)
     assert not wrong.ok and "device 0 ran 0F0 0F1 0F2 0F3 0B0" in str(wrong) and "play each row in order" in str(wrong)
+    assert str(wrong).startswith("on 1F1B: ")                # GPipe's rows are already in that order: it passed
 
 
 def test_a_placeholder_is_not_done_yet_and_an_unknown_exercise_is_named():

@@ -64,9 +64,19 @@ def check_loss(micro_loss) -> Check:
 
 def check_play(play) -> Check:
     """play(schedule, run): run(action) for every action of every device's row, each device on its own thread,
-    returning when all are done."""
+    returning when all are done. Played on GPipe, then on 1F1B: a player must not know which it plays."""
+    verdicts = []
+    for name, label in (("gpipe", "GPipe"), ("1f1b", "1F1B")):
+        verdict = _play_one(play, name, label)
+        if not verdict.ok:
+            return Check(False, [f"on {label}: {verdict.lines[0]}", *verdict.lines[1:]])
+        verdicts.append(verdict)
+    return verdicts[-1]
+
+
+def _play_one(play, schedule: str, label: str) -> Check:
     setup = Setup()
-    pipe = ReferencePipeline(setup.model, PLACEMENTS[2], "1f1b", micro_batches=4)
+    pipe = ReferencePipeline(setup.model, PLACEMENTS[2], schedule, micro_batches=4)
     pipe.timeout_s = base.WAIT_S
     pipe.begin(setup.batch)
     ran, done, failed = [], [], []          # (thread, action) as each starts; each once finished; what raised
@@ -110,4 +120,5 @@ def check_play(play) -> Check:
         if order[d] != list(row):
             return Check(False, [f"device {d} ran {' '.join(map(str, order[d]))}, not its row "
                                  f"{' '.join(map(str, row))}: play each row in order"])
-    return setup.verdict(sum(pipe.losses.values()), "each device played its row of 1F1B on its own thread")
+    what = f"each device played its row of {'GPipe and of ' if label == '1F1B' else ''}{label} on its own thread"
+    return setup.verdict(sum(pipe.losses.values()), what)
