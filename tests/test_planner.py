@@ -6,7 +6,7 @@ from conftest import fake_costs, make_batch, tiny_model
 from mpedu.predict import memory_estimate, CostCurve, device_footprints, predict_epoch
 from mpedu.predict import RECOMPUTE, SCHEDULES, PlanStopped, plan
 import mpedu.predict.planner as planner
-from mpedu.predict import predict
+from mpedu.predict import predict, simulate
 from mpedu.predict.planner import _enumerate, _simulate
 
 EXTRA_SCHEDULES = planner.EXTRA_SCHEDULES
@@ -312,3 +312,28 @@ def test_the_default_search_is_what_the_explorer_offers_and_an_unknown_name_list
     assert not set(EXTRA_SCHEDULES) & set(SCHEDULES)
     with pytest.raises(ValueError, match="unknown schedule 'zbw'; the planner knows naive, .*, zbv, dualpipev, zb_cap"):
         plan(model, make_batch(T=9, B=8), 2, costs=curve, schedules=("zbw",))
+
+
+def test_unequal_splits_to_try_have_small_ends_and_add_up():
+    from mpedu.predict.planner import split_shapes
+    assert split_shapes(32, 4) == [(2, 14, 14, 2), (4, 12, 12, 4), (6, 10, 10, 6)]
+    assert split_shapes(8, 4) == [(1, 3, 3, 1)] and split_shapes(8, 2) == []
+    assert all(sum(s) == 16 and len(s) == 8 and s[0] == s[-1] < max(s) for s in split_shapes(16, 8))
+
+
+def test_the_planner_proposes_unequal_micro_batches_where_it_predicts_them_faster_within_the_cap(model, curve):
+    batch = make_batch(T=9, B=8)
+    plans = plan(model, batch, 2, costs=curve, micro_batches=[4], schedules=("1f1b",), recompute=(None,))
+    split, best = plans.split, plans.best
+    assert split is not None and split.micro_batch_sizes == (1, 3, 3, 1) and split.step_s < 0.99 * best.step_s
+    assert (split.placement, split.schedule, split.micro_batches) == (best.placement, best.schedule, 4)
+    assert "sizes 1,3,3,1" in split.label and "unequal micro-batches, predicted" in str(plans)
+    # the prediction is simulate's, each micro-batch read at its own width
+    again = simulate("1f1b", [curve.at(9, b) for b in (1, 3, 3, 1)], split.placement, micro_batches=[1, 3, 3, 1])
+    assert again.makespan == pytest.approx(split.step_s)
+    with split.pipeline(model) as pipe:
+        assert list(pipe.micro_batch_sizes) == [1, 3, 3, 1]
+    # a cap the split's footprint passes but barely: the split must fit it, or none is proposed
+    tight = plan(model, batch, 2, costs=curve, micro_batches=[4], schedules=("1f1b",), recompute=(None,),
+                 memory_cap=split.peak_bytes - 1)
+    assert tight.split is None or tight.split.peak_bytes <= split.peak_bytes - 1

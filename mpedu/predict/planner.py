@@ -185,6 +185,8 @@ def plan(model, batch, devices, memory_cap=None, costs: Costs | CostCurve | None
     fitting = [c for c in front if c.fits]
     plans = Plans(front, fitting[0] if fitting else None, cap, len(candidates), simulated,
                   time.perf_counter() - start, pending, (link, cores), _predict)
+    if plans.best is not None:
+        plans.split = propose_split(plans.best, curve, T, B, link, cores, cap, optimizer_bytes_per_param)
     if plans.best is None:
         small = front[-1]
         raise NoPlanFits(f"no plan fits memory_cap={format_size(cap)} on {p} devices: the smallest footprint "
@@ -279,6 +281,45 @@ def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options,
                                       memory_floor(stage_costs, stage_devices, held, rc, chunks, optimizer,
                                                    smallest if per_chunk else None),
                                       time_bound(sched, stage_costs, p, cores, rc), optimizer, per_chunk)
+
+
+def split_shapes(B: int, m: int) -> list[tuple[int, ...]]:
+    """Unequal splits of B sentences into m micro-batches worth trying: the first and the last smaller (they are
+    the pipeline's fill and drain, which the other devices wait through), the rest as equal as can be.
+
+        B = 32, m = 4:   (4, 12, 12, 4), (6, 10, 10, 6), (2, 14, 14, 2)"""
+    if m < 3:
+        return []
+    out = []
+    for end in sorted({max(1, B // (2 * m)), max(1, B // (4 * m)), max(1, 3 * B // (4 * m))}):
+        middle, extra = divmod(B - 2 * end, m - 2)
+        if middle < 1 or end * m == B:
+            continue
+        sizes = (end, *[middle + (1 if k < extra else 0) for k in range(m - 2)], end)
+        out.append(sizes)
+    return out
+
+
+def propose_split(best: Candidate, curve: CostCurve, T: int, B: int, link=None, cores=None, cap=None,
+                  optimizer: float = 0.0) -> Candidate | None:
+    """`best` with unequal micro-batches (split_shapes), if one is predicted faster (by over 1%) and fits the cap:
+    each micro-batch's costs and bytes read at its own width. None where no split beats it."""
+    if best.chunks > 1 or best.micro_batches < 3:
+        return None
+    schedule = make_schedule(best.schedule, best.placement.stage_devices, best.micro_batches)
+    found = None
+    for sizes in split_shapes(B, best.micro_batches):
+        per_mb = [curve.at(T, b) for b in sizes]
+        step = simulate(schedule, per_mb, best.placement, micro_batches=list(sizes), link=link, cores=cores,
+                        recompute=best.recompute).makespan
+        totals = tuple(f.total for f in device_footprints(per_mb[0], best.placement, schedule, recompute=best.recompute,
+                                                         optimizer_bytes_per_param=optimizer,
+                                                         micro_batch_costs=per_mb))
+        fits = cap is None or max(totals) <= cap
+        if fits and step < 0.99 * best.step_s and (found is None or step < found.step_s):
+            found = Candidate(best.placement, best.schedule, best.micro_batches, 1, best.recompute, step, totals,
+                              True, sizes)
+    return found
 
 
 def _why_none(schedules, recompute, ms, p: int, n: int) -> str:

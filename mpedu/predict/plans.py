@@ -41,6 +41,7 @@ class Candidate:
     step_s: float                   # predicted seconds per training step
     device_bytes: tuple[int, ...]   # predicted peak bytes per device (weights, gradients, activations)
     fits: bool = True               # every device within the memory cap
+    micro_batch_sizes: tuple[int, ...] | None = None     # unequal micro-batches (sentences each); None: equal
 
     @property
     def peak_bytes(self) -> int:
@@ -51,14 +52,16 @@ class Candidate:
     def label(self) -> str:
         chunks = f" c={self.chunks}" if self.chunks > 1 else ""
         rc = f" recompute={self.recompute}" if self.recompute else ""
-        return f"{self.schedule} m={self.micro_batches}{chunks}{rc}"
+        sizes = f" sizes {','.join(map(str, self.micro_batch_sizes))}" if self.micro_batch_sizes else ""
+        return f"{self.schedule} m={self.micro_batches}{sizes}{chunks}{rc}"
 
     def pipeline(self, model, **kwargs):
         """A Pipeline that runs this candidate (extra keyword arguments go to Pipeline)."""
         from ..core.pipeline import Pipeline
         if self.recompute is not None:
             kwargs["recompute"] = self.recompute
-        return Pipeline(model, self.placement, self.schedule, self.micro_batches, chunks=self.chunks, **kwargs)
+        m = list(self.micro_batch_sizes) if self.micro_batch_sizes else self.micro_batches
+        return Pipeline(model, self.placement, self.schedule, m, chunks=self.chunks, **kwargs)
 
     def __str__(self) -> str:
         return (f"{self.label:<40} {self.step_s * 1e3:9.1f} ms  peak {format_size(self.peak_bytes):>9}  "
@@ -80,6 +83,8 @@ class Plans:
     pending: list = field(default_factory=list, repr=False)
     simulate_args: tuple = (None, None)
     simulate_one: Callable | None = field(default=None, repr=False)   # (option, link, cores, cap) -> Candidate
+    # `best` with micro-batches of unequal size, where that is predicted faster within the cap (else None)
+    split: Candidate | None = None
 
     def table(self) -> str:
         cap = f"memory cap {format_size(self.memory_cap)}" if self.memory_cap else "no memory cap"
@@ -89,6 +94,9 @@ class Plans:
             mark = "*" if c is self.best else " " if c.fits else "x"
             lines.append(f" {mark} {c}")
         lines.append("* the fastest that fits" + ("; x over the cap" if self.memory_cap else ""))
+        if self.split is not None and self.best is not None:
+            lines.append(f"unequal micro-batches, predicted {self.best.step_s / self.split.step_s:.2f}x as fast as *: "
+                         f"{self.split}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
