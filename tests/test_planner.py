@@ -315,7 +315,7 @@ def test_the_default_search_is_what_the_explorer_offers_and_an_unknown_name_list
 
 
 def test_unequal_splits_to_try_have_small_ends_and_add_up():
-    from mpedu.predict.planner import split_shapes
+    split_shapes = planner.split_shapes
     assert split_shapes(32, 4) == [(2, 14, 14, 2), (4, 12, 12, 4), (6, 10, 10, 6)]
     assert split_shapes(8, 4) == [(1, 3, 3, 1)] and split_shapes(8, 2) == []
     assert all(sum(s) == 16 and len(s) == 8 and s[0] == s[-1] < max(s) for s in split_shapes(16, 8))
