@@ -14,12 +14,13 @@ tick by tick, at given costs (textbook F = B = W = 1 unless told):
 
 A device holds a micro-batch from its first forward there until the last W of it there: its activations stay
 until then. Holding none costs nothing, so a new micro-batch can always start (`cap` >= 1 never deadlocks: the
-oldest micro-batch can always move). On one stage per device, cap = p holds what 1F1B holds on device 0; a
-cap of 2p - 1 or more idles only the fill and drain's F and B; cap = 1 runs one micro-batch at a time.
+oldest micro-batch can always move). On one stage per device, cap = p holds what 1F1B holds on device 0, and
+cap = 1 one micro-batch at a time; on 4 devices at m = 8 (unit costs) cap 1 takes 72 ticks, cap 4 29, and cap 5
+or more ZB-H1's 27.
 
     2 devices, m = 4, F = B = W = 1:
-        cap 1   device 0   0F0 0B0 0W0 0F1 0B1 0W1 ..       (naive, with W after B)
-        cap 2   device 0   0F0 0F1 0B0 0F2 0B1 0W0 ..      (ZB-H1's memory, ZB-H1's 13 ticks)
+        cap 1   device 0   0F0 0B0 0W0 0F1 0B1 0W1 ..       20 ticks: one micro-batch at a time on each device
+        cap 2   device 0   0F0 0F1 0B0 0W0 0B1 0F2 0W1 ..   13 ticks: ZB-H1's memory and ZB-H1's length
 """
 from __future__ import annotations
 
