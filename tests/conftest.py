@@ -143,3 +143,21 @@ def drawn_masks(monkeypatch) -> list:
 
     monkeypatch.setattr(dropout, "keep_mask", recording)
     return drawn
+
+
+def train_both(make_model, corpus, pipeline, **train_args):
+    """Train a fresh model from make_model() one epoch on one device, then another through
+    Pipeline(model, **pipeline), with the same train() arguments: [(history, model) on one device, the same
+    through the pipeline], for a test to compare."""
+    from mpedu.core import Pipeline, SingleDevice
+    from mpedu.training import train
+    runs = []
+    for pipelined in (False, True):
+        model = make_model()
+        runner = Pipeline(model, **pipeline) if pipelined else SingleDevice(model)
+        try:
+            history = train(model, corpus, runner=runner, epochs=1, progress=False, log=lambda *a: None, **train_args)
+        finally:
+            runner.close()
+        runs.append((history, model))
+    return runs

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import VOCAB, make_batch, tiny_model
+from conftest import VOCAB, make_batch, tiny_model, train_both
 from mpedu.lm import Batch, LMConfig, LSTMLM, StreamIterator
 from mpedu.core import Pipeline, SingleDevice
 from mpedu.training import evaluate
@@ -264,24 +264,16 @@ def test_torchrun_check_with_dropout_equals_one_process(tmp_path):
 @pytest.mark.parametrize("schedule,m,chunks", [("gpipe", 4, 1), ("wavefront", 2, 2)])
 def test_train_and_evaluate_in_stream_mode_through_a_pipeline_equal_one_device(schedule, m, chunks):
     from mpedu.lm import Corpus, load_corpus
-    from mpedu.training import train
     corpus = load_corpus()
     little = Corpus(corpus.vocab, corpus.train[:150], corpus.valid[:30], corpus.test[:30], name="little")
     windows = StreamIterator(little.train, 16, 35)
     assert windows.steps % 35, "the test needs a shorter last window"
-    runs = []
-    for pipelined_run in (False, True):
+    def fresh():
         torch.manual_seed(0)
-        model = LSTMLM.from_config("tiny", vocab_size=len(little.vocab), dropout=0.3)
-        runner = Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", schedule, micro_batches=m,
-                          chunks=chunks) if pipelined_run else SingleDevice(model)
-        try:
-            history = train(model, little, runner=runner, epochs=1, batch_size=16, lr=5.0, seed=4, bptt=35,
-                            progress=False, log=lambda *a: None)
-        finally:
-            runner.close()
-        runs.append((history, model))
-    (h_one, m_one), (h_pipe, m_pipe) = runs
+        return LSTMLM.from_config("tiny", vocab_size=len(little.vocab), dropout=0.3)
+    pipeline = dict(placement="embed,lstm0:vgpu0 | lstm1,decode:vgpu1", schedule=schedule, micro_batches=m,
+                    chunks=chunks)
+    (h_one, m_one), (h_pipe, m_pipe) = train_both(fresh, little, pipeline, batch_size=16, lr=5.0, seed=4, bptt=35)
     for key in ("train_ppl", "valid_ppl"):
         assert h_pipe.epochs[0][key] == pytest.approx(h_one.epochs[0][key], rel=1e-5), key
     assert h_pipe.test_ppl == pytest.approx(h_one.test_ppl, rel=1e-5)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import fake_costs, lm, make_batch, tiny_model
+from conftest import fake_costs, lm, make_batch, tiny_model, train_both
 from mpedu.core import Pipeline, Placement, SingleDevice, Timeline, fit_width, fitted, one_f_one_b
 from mpedu.lm import check_sizes
 from mpedu.predict import CostCurve, device_footprints, memory_estimate, predict_epoch, profile, simulate
@@ -287,19 +287,9 @@ def test_an_epoch_of_a_sized_pipeline_is_predicted_at_each_width():
 def test_training_through_unequal_micro_batches_equals_one_device(bptt, little):
     """train() widens a bucket's narrower last batch to the sizes' sum (fitted); in stream mode the state of each
     micro-batch's columns goes on."""
-    from mpedu.training import train
-    runs = []
-    for pipelined_run in (False, True):
-        model = lm(little, dropout=0.3)
-        runner = Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "1f1b",
-                          micro_batches=[3, 8, 5]) if pipelined_run else SingleDevice(model)
-        try:
-            history = train(model, little, runner=runner, epochs=1, batch_size=16, lr=5.0, seed=4, bptt=bptt,
-                            progress=False, log=lambda *a: None)
-        finally:
-            runner.close()
-        runs.append((history, model))
-    (h_one, m_one), (h_pipe, m_pipe) = runs
+    pipeline = dict(placement="embed,lstm0:vgpu0 | lstm1,decode:vgpu1", schedule="1f1b", micro_batches=[3, 8, 5])
+    (h_one, m_one), (h_pipe, m_pipe) = train_both(lambda: lm(little, dropout=0.3), little, pipeline,
+                                                  batch_size=16, lr=5.0, seed=4, bptt=bptt)
     for key in ("train_ppl", "valid_ppl"):
         assert h_pipe.epochs[0][key] == pytest.approx(h_one.epochs[0][key], rel=1e-5), key
     for (name, a), b in zip(m_one.state_dict().items(), m_pipe.state_dict().values()):
