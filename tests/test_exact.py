@@ -22,6 +22,7 @@ V = "embed:vgpu0 | lstm0:vgpu1 | lstm1:vgpu1 | lstm2,decode:vgpu0"  # a V: stage
 SCHEDULES = [("naive", FOUR, 2, 1), ("gpipe", FOUR, 4, 1), ("1f1b", FOUR, 4, 1), ("interleaved", FOUR, 4, 1),
              ("looped_bfs", FOUR, 4, 1), ("zb1", THREE, 4, 1), ("wavefront", FOUR, 2, 3), ("gpipe", V, 4, 1),
              ("zbv", V, 4, 1), ("dualpipev", V, 4, 1), ("zb_cap2", THREE, 4, 1), ("zb_cap1", V, 2, 1)]
+SCHEDULES += [("v_half", V, 4, 1), ("v_min", V, 4, 1)]               # the V-shapes that hold less
 IDS = [s[0] + ("-v" if s[1] == V and s[0] not in ("zbv", "dualpipev") else "") for s in SCHEDULES]
 P = 0.4          # dropout probability of the tests that use dropout
 

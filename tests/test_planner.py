@@ -7,6 +7,7 @@ from mpedu.predict import memory_estimate, CostCurve, device_footprints, predict
 from mpedu.predict import RECOMPUTE, SCHEDULES, PlanStopped, plan
 import mpedu.predict.planner as planner
 from mpedu.predict import predict, simulate
+from mpedu.core import schedules
 from mpedu.predict.planner import _enumerate, _simulate
 
 EXTRA_SCHEDULES = planner.EXTRA_SCHEDULES
@@ -295,13 +296,13 @@ def test_the_v_shapes_and_the_capped_family_are_searched_when_asked_and_their_bo
     batch = make_batch(T=9, B=8)
     everything = _all_simulated(model, batch, curve, p, cores, schedules=EXTRA_SCHEDULES)
     names = {c.schedule_obj.name for c, _, _ in everything}
-    assert names == {"zbv", "dualpipev"} | {f"zb_cap{k}" for k in range(1, 2 * p + 1)}
+    assert names == set(schedules.V_SHAPED) | {f"zb_cap{k}" for k in range(1, 2 * p + 1)}
     for c, step, peak in everything:
         assert c.bound <= step * (1 + 1e-9), (c.schedule_obj.name, c.m, str(c.placement))
         assert c.memory_floor <= peak
-        if c.schedule_obj.name in ("zbv", "dualpipev"):       # on a V: device 0 holds the first and the last stage
+        if c.schedule_obj.name in schedules.V_SHAPED:        # on a V: device 0 holds the first and the last stage
             assert c.placement.stage_devices == [0, 1, 1, 0] and len(c.placement.stages) == 4
-        assert c.schedule_obj.name != "dualpipev" or c.m >= 2 * p
+        assert c.m >= schedules.fewest_micro_batches(c.schedule_obj.name, p)     # DualPipeV m >= 2p, V-Half ...
     plans = plan(model, batch, p, costs=curve, schedules=("1f1b",) + EXTRA_SCHEDULES, cores=cores)
     assert {c.schedule for c in plans.simulated} & {"zbv", "dualpipev"}     # (the rest pruned by their bounds)
     for c in plans.front:                                     # each plan predicted again from its own name
@@ -310,7 +311,7 @@ def test_the_v_shapes_and_the_capped_family_are_searched_when_asked_and_their_bo
 
 def test_the_default_search_is_what_the_explorer_offers_and_an_unknown_name_lists_every_schedule(model, curve):
     assert not set(EXTRA_SCHEDULES) & set(SCHEDULES)
-    with pytest.raises(ValueError, match="unknown schedule 'zbw'; the planner knows naive, .*, zbv, dualpipev, zb_cap"):
+    with pytest.raises(ValueError, match="unknown schedule 'zbw'; the planner knows naive, .*, zbv, dualpipev, v_half, v_min, zb_cap"):
         plan(model, make_batch(T=9, B=8), 2, costs=curve, schedules=("zbw",))
 
 

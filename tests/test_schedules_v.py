@@ -1,7 +1,11 @@
-"""The V-shape schedules (zbv, dualpipev) against literal tables and PyTorch's own generators; PyTorch's CSV
-schedule files read and written (with the old-B trap refused)."""
+"""The V-shape schedules (zbv, dualpipev) against literal tables and PyTorch's own generators; the V-shapes that
+hold less (v_half, v_min) against literal tables and the published ratios; PyTorch's CSV schedule files read and
+written (with the old-B trap refused)."""
+import time
+
 import pytest
 
+import mpedu.core.schedules.vmem as vmem
 from mpedu.core import schedules
 
 Action, Schedule, ScheduleError = schedules.Action, schedules.Schedule, schedules.ScheduleError
@@ -98,7 +102,7 @@ def test_names_and_aliases():
 
 # -- refusals ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("name", ["zbv", "dualpipev", "v_half", "v_min"])
 @pytest.mark.parametrize("stage_devices", [[0, 1], [0, 1, 0, 1], [0, 0, 1, 1], [0, 1, 2, 2, 1]])
 def test_v_schedules_refuse_other_placements_in_words(name, stage_devices):
     with pytest.raises(ValueError, match=rf"{name} needs the V placement: 2p stages on p devices, device r holding "
@@ -119,6 +123,114 @@ def test_a_bad_overlap_marker_is_refused_in_words():
     with pytest.raises(ScheduleError, match=r"overlapped pair \(device 0, position 0\): an overlapped pair is a "
                                             r"forward followed on its device by a backward \(B\) of another stage"):
         s.validate()
+
+
+# -- V-Half and V-Min: the V-shapes that hold less ----------------------------------------------------------
+
+def ratios(schedule: Schedule) -> tuple[float, float]:
+    """Bubble and memory against 1F1B's on the same devices, at F = B = W = 1 per V stage (1F1B's stage is two V
+    stages: F = 2, B = 4): 1F1B idles 6(p - 1) ticks and holds 2p micro-batch-stages (p whole micro-batches) on
+    device 0; every schedule here is busy 6m ticks per device."""
+    p, m = schedule.num_devices, schedule.micro_batches
+    makespan, peaks = unit_costs(schedule)
+    return (makespan - 6 * m) / (6 * (p - 1)), max(peaks) / (2 * p)
+
+
+def test_v_half_two_devices_four_micro_batches():
+    s = make("v_half", v(2), 4)
+    assert table(s) == [
+        "0F0 0F1 3F0 3B0 3F1 3W0 0F2 0B0 3B1 0W0 3F2 3W1 0F3 0B1 3B2 0W1 3F3 3B3 0B2 3W2 0B3 3W3 0W2 0W3",
+        "1F0 2F0 1F1 2F1 2B0 1B0 2W0 1W0 1F2 2F2 2B1 1B1 2W1 1F3 1W1 2F3 2B2 1B2 2B3 1B3 2W2 1W2 2W3 1W3",
+    ]
+    assert s.split_backward == frozenset(range(4)) and s.overlapped == frozenset()
+    assert unit_costs(s) == (25.0, [4.0, 4.0])         # on 2 devices: ZB-V's length and memory, another order
+
+
+def test_v_min_two_devices_four_micro_batches():
+    s = make("v_min", v(2), 4)
+    assert table(s) == [
+        "0F0 0F1 3F0 3B0 3W0 0B0 0W0 3F1 3B1 3W1 0F2 0B1 0W1 3F2 3B2 3W2 0F3 0B2 0W2 3F3 3B3 3W3 0B3 0W3",
+        "1F0 2F0 2B0 1B0 1F1 2F1 2W0 1W0 2B1 1B1 1F2 2F2 2W1 1W1 2B2 1B2 1F3 2F3 2W2 1W2 2B3 1B3 2W3 1W3",
+    ]
+    assert unit_costs(s) == (27.0, [3.0, 4.0])
+
+
+def test_the_blocks_and_their_gap():
+    """Micro-batch 0's (F down, F up, B up, B down) ticks per device; the gap before B up is the smallest that puts
+    a device's four actions on four ticks of the 6, which is sail-sg's rule (3 for V-Half on an even p, 2 for
+    V-Min on a p divisible by 3, else none)."""
+    assert vmem.block("v_half", 4) == [(0, 10, 14, 25), (2, 9, 16, 24), (4, 8, 18, 23), (6, 7, 20, 22)]
+    assert vmem.block("v_min", 4) == [(0, 7, 8, 15), (1, 6, 9, 14), (2, 5, 10, 13), (3, 4, 11, 12)]
+    for p in range(1, 17):
+        assert vmem.block("v_half", p)[0][2] == 3 * p - 1 + (3 if p % 2 == 0 else 0)
+        assert vmem.block("v_min", p)[0][2] == 2 * p + (2 if p % 3 == 0 else 0)
+
+
+@pytest.mark.parametrize("name", ["v_half", "v_min"])
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_v_half_and_v_min_validate_count_and_hold_their_limit(name, p):
+    need = vmem.min_micro_batches(name, p)
+    for m in (need, need + 1, 12, 16):
+        s = make(name, v(p), m)                        # make validates: no deadlock
+        for d, row in enumerate(s.actions):
+            assert len(row) == 6 * m, f"device {d}: F, B and W of m micro-batches on each of its two stages"
+            for stage in (d, 2 * p - 1 - d):
+                for kind in "FBW":
+                    assert sorted(a.mb for a in row if (a.kind, a.stage) == (kind, stage)) == list(range(m))
+        makespan, peaks = unit_costs(s)
+        assert max(peaks) <= vmem.held_limit(name, p, m)
+        # at unit costs, for every m the generator takes, on 2 to 8 devices (fitted here, checked above):
+        if name == "v_half":                           # holding p // 2 + 1 micro-batches (1F1B: p)
+            assert makespan == 6 * m + max(p - 1, 6 * ((p - 1) // 2) - 1)
+            assert peaks == [2 * (p // 2 + 1)] * p
+        else:                                          # holding (p + 1) // 3 + 1 (on 2 devices, device 0: 1.5)
+            assert makespan == 6 * m + 4 * p - 5 - (p % 3 == 0)
+            assert peaks == [2 * ((p + 1) // 3 + 1) - (p == 2 and d == 0) for d in range(p)]
+
+
+def test_the_memory_limits_in_micro_batch_stages():
+    assert [vmem.held_limit("v_half", p, 12) for p in (2, 4)] == [4, 6]
+    assert [vmem.held_limit("v_min", p, 12) for p in (2, 4)] == [4, 4]
+
+
+@pytest.mark.parametrize("m", [8, 10, 12])
+def test_the_published_ratios_on_four_devices(m):
+    """sail-sg's V-Half: 0.28 of 1F1B's bubble at 0.75x its memory; V-Min: about 0.6 at 0.5x (p = 4); ZB-V reads
+    1/6 at 1x on the same scale."""
+    assert ratios(make("zbv", v(4), m)) == pytest.approx((1 / 6, 1.0))
+    bubble, memory = ratios(make("v_half", v(4), m))
+    assert abs(bubble - 0.28) <= 0.05 and abs(memory - 0.75) <= 0.05 and (bubble, memory) == (5 / 18, 0.75)
+    bubble, memory = ratios(make("v_min", v(4), m))
+    assert abs(bubble - 0.6) <= 0.05 and abs(memory - 0.5) <= 0.05 and (bubble, memory) == (11 / 18, 0.5)
+
+
+def test_on_two_devices_they_save_no_memory():
+    """The blocks are too short on 2 devices: V-Half is ZB-V's length and memory, V-Min three times its bubble."""
+    for m in (4, 8, 10, 12):
+        assert ratios(make("v_half", v(2), m)) == pytest.approx((1 / 6, 1.0))
+        assert ratios(make("v_min", v(2), m)) == pytest.approx((0.5, 1.0))
+
+
+@pytest.mark.parametrize("name,p,m,need,tick", [("v_half", 4, 5, 6, 25), ("v_half", 2, 3, 4, 13),
+                                                ("v_min", 4, 3, 4, 15), ("v_min", 2, 2, 3, 7)])
+def test_v_half_and_v_min_refuse_too_few_micro_batches_in_words(name, p, m, need, tick):
+    with pytest.raises(ValueError, match=rf"{name} needs at least {need} micro-batches on {p} devices, got m={m}: its "
+                                         rf"block starts a micro-batch every 6 ticks, and the first one's backward "
+                                         rf"comes back to stage 0 at tick {tick}.*m >= {tick} // 6 \+ 2 = {need}\)\. "
+                                         rf"Use micro_batches >= {need}, or zbv"):
+        make(name, v(p), m)
+    assert vmem.min_micro_batches(name, p) == need
+    make(name, v(p), need)
+
+
+def test_v_half_and_v_min_names_and_speed():
+    for name, key in [("v_half", "v_half"), ("V-Half", "v_half"), ("vhalf", "v_half"), ("v_min", "v_min"),
+                      ("V-Min", "v_min")]:
+        assert make(name, v(2), 4).name == key
+    assert {"v_half", "v_min", "zbv", "dualpipev"} <= set(schedules.V_SHAPED)
+    start = time.perf_counter()
+    make("v_half", v(4), 12), make("v_min", v(4), 12)
+    assert time.perf_counter() - start < 0.2           # built at once: a planner may build many
 
 
 # -- PyTorch's own orders ----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_batch, tiny_model
+import mpedu.core.schedules.vmem as vmem
 from mpedu.core import Pipeline, schedules
 from mpedu.runtime import Link
 from mpedu.predict import peak_in_flight, simulate
@@ -39,8 +40,20 @@ FORMULAS = {
     "dualpipev": ("(p-1)/(6*m+p-1)", lambda p, m, v, c: (p - 1) / (6 * m + p - 1),
                   "p+1/2", lambda p, m, v, c, d: p + 1 / 2,
                   "2*m", lambda p, m, v, c: 2 * m),
+    # V-Half and V-Min: the idle ticks e beyond 6m (per V stage: F, B and W of one unit each), as the summary writes
+    # them, "e/(6*m+e)" and then e itself
+    "v_half": ("e/(6*m+e)", lambda p, m, v, c: _idle(p, m, max(p - 1, 6 * ((p - 1) // 2) - 1)),
+               "p//2+1", lambda p, m, v, c, d: p // 2 + 1,
+               "2*m", lambda p, m, v, c: 2 * m, "max(p-1, 6*((p-1)//2)-1)"),
+    "v_min": ("e/(6*m+e)", lambda p, m, v, c: _idle(p, m, 4 * p - 5 - (p % 3 == 0)),
+              "(p+1)//3+1-(p==2)*(d==0)/2", lambda p, m, v, c, d: (p + 1) // 3 + 1 - (p == 2) * (d == 0) / 2,
+              "2*m", lambda p, m, v, c: 2 * m, "4*p-5-(p%3==0)"),
 }
-V_SHAPED = ("zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev", "v_half", "v_min")
+
+
+def _idle(p, m, e):
+    return e / (6 * m + e)
 
 
 def table_rows() -> dict[str, list[list[str]]]:
@@ -58,9 +71,9 @@ def table_rows() -> dict[str, list[list[str]]]:
 def test_the_summary_table_writes_the_formulas_this_test_checks():
     rows = table_rows()
     assert set(rows) == set(FORMULAS), f"schedules in docs/summary.md's table: {sorted(rows)}"
-    for name, (bubble, _, held, _, transfers, _) in FORMULAS.items():
+    for name, (bubble, _, held, _, transfers, _, *idle) in FORMULAS.items():
         _, _, bubble_col, held_col, transfers_col = rows[name]
-        assert bubble_col == [bubble], f"{name}: the summary's bubble {bubble_col} is not {bubble!r}"
+        assert bubble_col == [bubble, *idle], f"{name}: the summary's bubble {bubble_col} is not {bubble!r} {idle}"
         assert held_col == [held], f"{name}: the summary's activations {held_col} are not {held!r}"
         assert transfers_col == [transfers], f"{name}: the summary's transfers {transfers_col} are not {transfers!r}"
 
@@ -88,7 +101,9 @@ def _cases():
     for name in FORMULAS:
         for p in (2, 3, 4, 8):
             for m in (1, 2, 3, 4, 8, 12, 32):
-                if (name == "interleaved" and m % p) or (name == "zb1" and m < p) or (name in V_SHAPED and m < 2 * p):
+                if ((name == "interleaved" and m % p) or (name == "zb1" and m < p)
+                        or (name in ("zbv", "dualpipev") and m < 2 * p)
+                        or (name in ("v_half", "v_min") and m < vmem.min_micro_batches(name, p))):
                     continue                               # refused, or outside the formula (see the summary)
                 for v, c in ((2, 2), (3, 4)) if name in ("interleaved", "wavefront") else ((1, 1),):
                     yield name, p, m, v, c
@@ -99,7 +114,7 @@ CASES = list(_cases())
 
 @pytest.mark.parametrize("name,p,m,v,c", CASES)
 def test_each_formula_matches_the_simulator(name, p, m, v, c):
-    _, bubble, _, held, _, transfers = FORMULAS[name]
+    _, bubble, _, held, _, transfers, *_ = FORMULAS[name]
     timeline, peaks, per_cut = _simulated(name, p, m, v, c)
     assert timeline.bubble_fraction == pytest.approx(bubble(p, m, v, c)), f"{name} bubble, p={p} m={m}"
     assert peaks == pytest.approx([held(p, m, v, c, d) for d in range(p)]), f"{name} activations, p={p} m={m}"

@@ -84,9 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='layers to devices, e.g. "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"')
     pipe.add_argument("--schedule", default="gpipe",
                       help="pipeline schedule: naive, gpipe, 1f1b, interleaved, looped_bfs, zb1, wavefront (default: "
-                      "gpipe); zbv, dualpipev on the V placement (the default placement for them); zb_cap<k>, zero "
-                      "bubble holding at most k micro-batches per device; or a file of your own, one line of "
-                      "actions per device (0F0 0F1 0B0 0B1), or PyTorch's .csv")
+                      "gpipe); zbv, dualpipev, v_half, v_min on the V placement (the default placement for them); "
+                      "zb_cap<k>, zero bubble holding at most k micro-batches per device; or a file of your own, one "
+                      "line of actions per device (0F0 0F1 0B0 0B1), or PyTorch's .csv")
     pipe.add_argument("--micro-batches", type=micro_batch_option, metavar="M",
                       help="micro-batches per batch, at most --batch-size, or the sentences of each, adding up to "
                            "--batch-size: 8,16,24,16 (unequal micro-batches) (default: the recipe's; laptop: 8, "

@@ -47,9 +47,9 @@ def build_runner(model, args):
 
 def v_shaped(schedule) -> bool:
     """A --schedule that needs the V placement (its default placement is then Placement.v_shape)."""
-    from ..core.schedules import canonical
+    from ..core.schedules import V_SHAPED, canonical
     try:
-        return isinstance(schedule, str) and canonical(schedule) in ("zbv", "dualpipev")
+        return isinstance(schedule, str) and canonical(schedule) in V_SHAPED
     except ValueError:
         return False                      # a file, or a name the schedule check will refuse in words
 

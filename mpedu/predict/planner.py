@@ -27,6 +27,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from ..core import schedules
 from ..core.placement import Placement
 from ..core.recompute import check_mode
 from ..core.schedules import Schedule
@@ -44,7 +45,7 @@ from .simulator import simulate
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1", "wavefront")
 # Searched only when asked for (schedules=...): the explorer, which offers SCHEDULES, cannot draw a V yet.
 # "zb_cap" is zero bubble under a memory cap, every cap from 1 to 2p micro-batches per device (zb_cap1, zb_cap2, ..).
-V_SCHEDULES = ("zbv", "dualpipev")
+V_SCHEDULES = schedules.V_SHAPED        # zbv, dualpipev, v_half, v_min
 EXTRA_SCHEDULES = V_SCHEDULES + ("zb_cap",)
 RECOMPUTE = (None, "all", "all-but-last")
 
@@ -242,7 +243,7 @@ def _enumerate(names, devs, ms, curve, schedule_names, recompute, chunk_options,
                     continue
                 pool, chunk_list = interleaved, [1]
             elif name in V_SCHEDULES:
-                if not v_layouts or (name == "dualpipev" and m < 2 * p):      # DualPipeV needs m >= 2p
+                if not v_layouts or m < schedules.fewest_micro_batches(name, p):   # DualPipeV m >= 2p, ...
                     continue
                 pool, chunk_list = v_layouts, [1]
             else:

@@ -15,17 +15,19 @@ One Schedule drives the executor (mpedu.core.pipeline), the simulator (mpedu.pre
 and the printers here. `Schedule.validate()` proves it can run before anything does.
 
 Modules: actions (Action, Schedule, validate, run_order: the data and its checks), generators (the
-named schedules and `make`), vshapes (ZB-V, DualPipeV), capped (zero bubble under a memory cap), files (hand-written schedules, and PyTorch's CSV schedule files). Use them
+named schedules and `make`), vshapes (ZB-V, DualPipeV), vmem (V-Half, V-Min: V-shapes that hold less), capped (zero
+bubble under a memory cap), files (hand-written schedules, and PyTorch's CSV schedule files). Use them
 through this package: `schedules.make("1f1b", [0, 1], 4)`, `schedules.F(0, 1)`, `schedules.read_csv(path)`.
 """
 from .actions import KINDS, MAX_UNITS, Action, B, F, Schedule, ScheduleError, W, run_order
 from .capped import zb_capped
 from .files import from_option, read, read_csv, read_file
-from .generators import (ALIASES, GENERATORS, canonical, for_runner, forwards_only, gpipe, interleaved, is_round_robin,
-                         looped_bfs, make, naive, one_f_one_b, wavefront, zb1)
+from .generators import (ALIASES, GENERATORS, V_SHAPED, canonical, fewest_micro_batches, for_runner, forwards_only,
+                         gpipe, interleaved, is_round_robin, looped_bfs, make, naive, one_f_one_b, wavefront, zb1)
+from .vmem import v_half, v_min
 from .vshapes import dualpipev, is_v_shape, zbv
 
-__all__ = ["ALIASES", "Action", "B", "F", "GENERATORS", "KINDS", "MAX_UNITS", "Schedule", "ScheduleError", "W",
-           "canonical", "dualpipev", "for_runner", "forwards_only", "from_option", "gpipe", "interleaved",
+__all__ = ["ALIASES", "Action", "B", "F", "GENERATORS", "KINDS", "MAX_UNITS", "Schedule", "ScheduleError", "V_SHAPED",
+           "W", "canonical", "dualpipev", "fewest_micro_batches", "for_runner", "forwards_only", "from_option", "gpipe", "interleaved",
            "is_round_robin", "is_v_shape", "looped_bfs", "make", "naive", "one_f_one_b", "read", "read_csv",
-           "read_file", "run_order", "wavefront", "zb1", "zb_capped", "zbv"]
+           "read_file", "run_order", "v_half", "v_min", "wavefront", "zb1", "zb_capped", "zbv"]

@@ -1,6 +1,7 @@
 """The named schedules, each a pure function of (stage_devices, m): naive, GPipe, 1F1B, interleaved
-1F1B, looped BFS, zero bubble (ZB-H1) and the wavefront here; the V-shapes (ZB-V, DualPipeV) in vshapes, zero bubble
-under a memory cap in capped (`zb_cap2`); `make` builds any of them by name."""
+1F1B, looped BFS, zero bubble (ZB-H1) and the wavefront here; the V-shapes (ZB-V, DualPipeV) in vshapes, the V-shapes
+that hold less (V-Half, V-Min) in vmem, zero bubble under a memory cap in capped (`zb_cap2`); `make` builds any of them
+by name."""
 from __future__ import annotations
 
 import re
@@ -9,6 +10,7 @@ from typing import Callable
 
 from .actions import MAX_UNITS, Action, B, F, Schedule, W
 from .capped import zb_capped
+from .vmem import min_micro_batches, v_half, v_min
 from .vshapes import dualpipev, zbv
 
 
@@ -189,12 +191,27 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "zb1": zb1,
     "zbv": zbv,
     "dualpipev": dualpipev,
+    "v_half": v_half,
+    "v_min": v_min,
     "wavefront": wavefront,
 }
+V_SHAPED = ("zbv", "dualpipev", "v_half", "v_min")     # built for the V placement: device r holds stages r, 2p-1-r
+
+
+def fewest_micro_batches(name: str, p: int) -> int:
+    """The fewest micro-batches schedule `name` takes on p devices (fewer are refused, saying so): DualPipeV 2p,
+    V-Half and V-Min their blocks' (mpedu.core.schedules.vmem), any other 1."""
+    key = canonical(name)
+    if key == "dualpipev":
+        return 2 * p
+    if key in ("v_half", "v_min"):
+        return min_micro_batches(key, p)
+    return 1
 
 
 ALIASES = {"onefoneb": "1f1b", "zb": "zb1", "zbh1": "zb1", "zerobubble": "zb1", "loopedbfs": "looped_bfs",
-           "bfs": "looped_bfs", "zbvzerobubble": "zbv", "zerobubblev": "zbv"}
+           "bfs": "looped_bfs", "zbvzerobubble": "zbv", "zerobubblev": "zbv",
+           "vhalf": "v_half", "vmin": "v_min"}
 
 
 _CAPPED = re.compile(r"^zbcap(\d{1,4})$")      # zb_cap3: zero bubble holding at most 3 micro-batches per device
