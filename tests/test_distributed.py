@@ -191,6 +191,56 @@ def test_train_gives_the_single_process_result(tmp_path):
     assert {e["device"] for e in timeline["events"]} == {"rank:0", "rank:1"}
 
 
+def one_process_gradients(out: Path):
+    """The loss and gradients of the whole model in this process, from the weights and batch a `check --out`
+    job saved (check-init.pt, check-batch.pt)."""
+    init, batch = torch.load(out / "check-init.pt"), torch.load(out / "check-batch.pt")
+    model = LSTMLM(init["vocab_size"], LMConfig(**init["config"]))
+    model.load_state_dict(init["state"])
+    logits, _ = model(batch["inputs"])
+    loss = nll_sum(logits, batch["targets"]) / int((batch["targets"] != 0).sum())
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@torchrun_job
+def test_zbv_and_dualpipev_run_the_v_with_the_loss_gradients_and_training_of_one_process(tmp_path):
+    # no --placement: the V, rank 0 holding stages 0 (embed) and 3 (decode), rank 1 stages 1 and 2 (the LSTMs)
+    proc, _ = torchrun("check", "--schedule", "zbv,dualpipev", "--micro-batches", "4", "--batch-size", "16",
+                       "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "equal to one process: 2 schedule(s)" in proc.stdout
+    loss, want = one_process_gradients(tmp_path)
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["placement"] == "embed:rank0 | lstm0:rank1 | lstm1:rank1 | decode:rank0"
+    zbv = {0: "0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3 0B2 0W2 0B3 0W3",
+           1: "1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3 1B3 1W2 2W3 1W3"}
+    for schedule in ("zbv", "dualpipev"):
+        rank0 = torch.load(tmp_path / f"grads-{schedule}-rank0.pt")
+        rank1 = torch.load(tmp_path / f"grads-{schedule}-rank1.pt")
+        assert {k.split(".")[1] for k in rank0} == {"embed", "decode"}        # each rank: its two stages
+        assert {k.split(".")[1] for k in rank1} == {"lstm0", "lstm1"}
+        grads = {**rank0, **rank1}
+        assert set(grads) == set(want)
+        for name, g in want.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=f"{schedule} {name}")
+        assert report["schedules"][schedule]["loss"] == pytest.approx(loss, rel=1e-6)
+        events = json.loads((tmp_path / f"check-{schedule}.timeline.json").read_text())["events"]
+        for rank in (0, 1):
+            ran = [f"{e['stage']}{e['kind']}{e['mb']}" for e in sorted(events, key=lambda e: e["start"])
+                   if e["device"] == f"rank:{rank}" and e["kind"] in "FBW"]
+            assert sorted(ran) == sorted(f"{s}{k}{i}" for s in (rank, 3 - rank) for k in "FBW" for i in range(4))
+            if schedule == "zbv":                                   # mpedu's order, as torch's runtime played it
+                assert " ".join(ran) == zbv[rank]
+    # and train: 2 steps of zbv, then evaluation (where rank 1's two stages hand over no gradient), as one process
+    proc, _ = torchrun("train", "--schedule", "zbv", "--limit-batches", "2", "--epochs", "1", "--json",
+                       "--out", str(tmp_path / "train"), "--no-progress")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (summary["schedule"], summary["placement"]) == ("zbv", report["placement"])
+    assert_trained_as_one_process(summary, tmp_path / "train" / "model.pt")
+
+
 TIED_CLIP = """
 import torch, torch.distributed as dist
 from mpedu.distributed import DistributedPipeline, setup

@@ -85,3 +85,24 @@ def test_train_says_when_the_runner_clips_too(one_rank, little):
                    for line in lines)
         assert said == (clip is not None), lines
         lines.clear()
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_the_v_on_one_rank_trains_and_evaluates_a_tied_model_as_the_single_device_runner(one_rank, name):
+    # p = 1: the V is stages 0 and 1 on rank 0, which hand their tensors over in memory (torch's V special
+    # case); eval() then failed there ("can't steal_bwd_input if this stage doesn't have backward")
+    model = tiny_model(num_layers=1, embed_size=64, tie_weights=True, dropout=0.2)
+    reference = tiny_model(num_layers=1, embed_size=64, tie_weights=True, dropout=0.2)
+    reference.load_state_dict(model.state_dict())
+    batch = make_batch(T=6, B=8)
+    pipe = DistributedPipeline(model, None, name, 4, width=8)              # no placement: the V
+    assert pipe.placement.stage_devices == [0, 0] and pipe.schedule == name
+    one = SingleDevice(reference)
+    for runner in (pipe, one):
+        runner.dropout_seed = 3
+    got, want = pipe.train_step(batch), one.train_step(batch)
+    assert got.loss == pytest.approx(want.loss, rel=1e-6)
+    for (n, a), b in zip(model.named_parameters(), reference.parameters()):   # the tied weight: both stages' share
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=n)
+    assert {(e.stage, e.kind) for e in got.timeline.compute()} == {(s, k) for s in (0, 1) for k in "FBW"}
+    assert pipe.eval_step(batch).loss == pytest.approx(one.eval_step(batch).loss, rel=1e-6)

@@ -32,3 +32,26 @@ def test_tied_weights_cannot_span_ranks():
     with pytest.raises(ValueError, match="tied weights"):
         rank_placement(model, "embed:a | lstm0,decode:b", 2).check_tied_weights(model)
     rank_placement(model, "embed,lstm0,decode:a", 1).check_tied_weights(model)   # one rank: fine
+
+
+def test_a_v_schedule_gets_the_v_placement_and_a_written_v_keeps_its_four_stages():
+    model = tiny_model(num_layers=2)      # embed, lstm0, lstm1, decode
+    for schedule in ("zbv", "DualPipeV"):
+        placement = rank_placement(model, None, 2, schedule)
+        assert placement.stage_devices == [0, 1, 1, 0], schedule                    # rank r: stages r, 2p-1-r
+        assert [names for _, names in placement.stages] == [["embed"], ["lstm0"], ["lstm1"], ["decode"]]
+    assert rank_placement(model, None, 2, "gpipe").stage_devices == [0, 1]          # others: the even split
+    # two groups on one rank are two stages (they merged into one, and zbv then found no V)
+    written = rank_placement(model, "embed:a | lstm0:b | lstm1:b | decode:a", 2)
+    assert written.stage_devices == [0, 1, 1, 0]
+    assert rank_placement(model, written, 2).stage_devices == [0, 1, 1, 0]          # a Placement keeps its cuts
+    assert rank_placement(model, "embed:a | lstm0,lstm1:b | decode:a", 2).stage_devices == [0, 1, 0]
+    with pytest.raises(ValueError, match="2 ranks in a V \\(2 stages each\\) but the model has only 3 layers"):
+        rank_placement(tiny_model(num_layers=1), None, 2, "zbv")
+
+
+def test_a_tied_model_runs_on_the_v_where_embed_and_decode_share_rank_0():
+    model = tiny_model(num_layers=2, embed_size=64, tie_weights=True)
+    rank_placement(model, None, 2, "zbv").check_tied_weights(model)            # stages 0 and 3 on rank 0
+    with pytest.raises(ValueError, match="tied weights: embed \\(rank:0\\) and decode \\(rank:1\\)"):
+        rank_placement(model, None, 2, "gpipe").check_tied_weights(model)      # the even split: refused as before

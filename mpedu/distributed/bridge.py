@@ -10,17 +10,22 @@ and receives itself. So the bridge translates action by action:
     mpedu B            -> torch B (FULL_BACKWARD: input and weight gradient), or
                           torch I (BACKWARD_INPUT) on a stage whose backward is split (zero bubble)
     mpedu W            -> torch W (BACKWARD_WEIGHT)
+    an overlapped pair -> torch OVERLAP_F_B holding the two (DualPipeV's (F;I)OVERLAP_F_B, the W after it);
+                          the runtime runs the forward and then the backward, as mpedu's threads do
 
 (PyTorch's split runs an LSTM's backward kernel in I and again in W, so a stage after the first that holds
 an LSTM runs its whole backward in I and its W does nothing: stages.whole_backward_in_b.)
-And device d becomes pipeline rank d. A schedule a learner writes by hand runs here as soon
-as `Schedule.validate()` accepts it. Refused, with the reason: time chunks (wavefront).
-Torch's runtime indexes work by (stage, micro-batch) and a stage passes one tensor per
-micro-batch; chunk c+1 of a micro-batch starts from the (h, c) state chunk c left behind,
-and chunk c's backward needs the state gradient from chunk c+1. That recurrent state would
-have to travel with the chunks (and between ranks when a stage's next chunk meets its
-neighbour's), which PyTorch's stages, whose outputs must be tensors and which keep nothing
-between actions, cannot express.
+And device d becomes pipeline rank d. Torch reads its stage -> rank map off the lists (stage s runs in the
+rank whose list holds its actions), so the V of zbv and dualpipev, rank r holding stages r and 2p-1-r (torch's
+"v" style), runs as any other layout; its two stages on rank p-1 hand their tensors over in memory. A schedule
+a learner writes by hand runs here as soon as `Schedule.validate()` accepts it.
+
+Refused, with the reason: time chunks (wavefront). Torch's runtime indexes work by (stage,
+micro-batch) and a stage passes one tensor per micro-batch; chunk c+1 of a micro-batch starts
+from the (h, c) state chunk c left behind, and chunk c's backward needs the state gradient from
+chunk c+1. That recurrent state would have to travel with the chunks (and between ranks when a
+stage's next chunk meets its neighbour's), which PyTorch's stages, whose outputs must be tensors
+and which keep nothing between actions, cannot express.
 
 The runtime class is PyTorch's `_PipelineScheduleRuntime` (private in torch 2.13, but the base
 of its public ScheduleLoopedBFS, ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble).
@@ -94,7 +99,19 @@ def torch_order(schedule: Schedule) -> dict[int, list[_Action]]:
             kind = _ComputationType.FULL_BACKWARD
         return _Action(a.stage, kind, a.mb)
 
-    return {d: [translate(a) for a in row] for d, row in enumerate(schedule.actions)}
+    def rank(d: int, row) -> list[_Action]:
+        out, k = [], 0
+        while k < len(row):
+            if (d, k) in schedule.overlapped:            # validate(): a forward, then a backward of another stage
+                pair = (translate(row[k]), translate(row[k + 1]))
+                out.append(_Action(-1, _ComputationType.OVERLAP_F_B, None, pair))
+                k += 2
+            else:
+                out.append(translate(row[k]))
+                k += 1
+        return out
+
+    return {d: rank(d, row) for d, row in enumerate(schedule.actions)}
 
 
 class ActionListSchedule(RUNTIME):

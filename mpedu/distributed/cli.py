@@ -18,6 +18,7 @@ EXAMPLES = """\
 examples (one machine, processes on the CPU; gloo):
   torchrun --nproc-per-node 2 -m mpedu.distributed train --limit-batches 20 --epochs 1
   torchrun --nproc-per-node 2 -m mpedu.distributed train --schedule 1f1b --micro-batches 8
+  torchrun --nproc-per-node 2 -m mpedu.distributed train --schedule zbv   # the V: rank r, stages r and 2p-1-r
   torchrun --nproc-per-node 2 -m mpedu.distributed train --placement "embed,lstm0:vgpu0 | lstm1,decode:vgpu1"
   torchrun --nproc-per-node 2 -m mpedu.distributed check --schedule gpipe,1f1b,my_schedule.txt
   torchrun --nproc-per-node 4 -m mpedu.distributed train --pipeline-devices 2   # 2 replicas x 2 stages
@@ -29,11 +30,12 @@ two nodes with 4 GPUs each (NCCL), run on both nodes:
 
 PLACEMENT_HELP = ("layers to devices, e.g. \"embed,lstm0:vgpu0 | lstm1,decode:vgpu1\". Device names are labels: "
                   "the k-th distinct device (in order of first appearance) is pipeline rank k, so the placement "
-                  "must name exactly as many devices as a pipeline has ranks (default: the layers split evenly "
-                  "over them)")
+                  "must name exactly as many devices as a pipeline has ranks; two groups on one device are two "
+                  "stages (the V: \"embed:a | lstm0:b | lstm1:b | decode:a\"). Default: the layers split evenly "
+                  "over them, or for zbv and dualpipev the V, rank r holding stages r and 2p-1-r")
 
-SCHEDULE_HELP = ("a schedule name (naive, gpipe, 1f1b, interleaved, zb1; mpedu.core.schedules builds its action "
-                 "lists) or a file with one line of actions per device, e.g. '0F0 0F1 0B0 0B1' and "
+SCHEDULE_HELP = ("a schedule name (naive, gpipe, 1f1b, interleaved, zb1, zbv, dualpipev; mpedu.core.schedules "
+                 "builds its action lists) or a file with one line of actions per device, e.g. '0F0 0F1 0B0 0B1' and "
                  "'1F0 1B0 1F1 1B1': mpedu validates it and torch's runtime plays it as written")
 
 

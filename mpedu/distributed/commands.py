@@ -22,7 +22,8 @@ from .bridge import resolve, schedule_arg
 from .cli import pipeline_devices
 from .group import setup
 from .pipeline import DistributedPipeline
-from .placement import rank_placement
+from .native import plan_schedule
+from .placement import rank_placement, wants_v
 
 # what each rank may choose for itself: where it writes and reads (paths differ between machines; the data and a
 # schedule file are compared by content), what it prints, how long it waits
@@ -105,9 +106,9 @@ def _train(args, rank, world, device, say, recipe, p, out) -> int:
     same_everywhere(args, corpus)
     torch.manual_seed(args.seed)
     model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab))
-    stage_ranks = rank_placement(model, args.placement, p).stage_devices
-    schedule = schedule_arg(args.schedule, stage_ranks, args.micro_batches)
-    pipe = DistributedPipeline(model, args.placement, schedule, args.micro_batches, device=device,
+    placement = rank_placement(model, args.placement, p, args.schedule)      # zbv, dualpipev: the V by default
+    schedule = schedule_arg(args.schedule, placement.stage_devices, args.micro_batches)
+    pipe = DistributedPipeline(model, placement, schedule, args.micro_batches, device=device,
                                width=args.batch_size, pipeline_devices=p, runtime=args.runtime)
     replicas = f"{pipe.replicas} replicas x " if pipe.replicas > 1 else ""
     say(f"mpedu.distributed train: {args.config} model on {corpus.name} ({len(corpus.vocab):,} words); "
@@ -172,11 +173,17 @@ def run_check(args) -> int:
         raise ValueError(f"--dropout {args.dropout}: expected a probability, 0 <= P < 1")
     # positional dropout masks (mpedu.lm.dropout): the ranks draw the one-process masks, so --dropout is exact too
     model = LSTMLM.from_config(args.config, vocab_size=len(corpus.vocab), dropout=args.dropout)
-    stage_ranks = rank_placement(model, args.placement, p).stage_devices
+    # no --placement: the V when a schedule needs it (zbv, dualpipev), for every schedule of the check
+    placement = rank_placement(model, args.placement, p, next((n for n in names if wants_v(n)), None))
+    stage_ranks = placement.stage_devices
     # every schedule is built and validated before the first step, so a bad one stops the run at once
     schedules = [schedule_arg(name, stage_ranks, args.micro_batches) for name in names]
     if args.runtime == "mpedu":
         schedules = [resolve(schedule, stage_ranks, args.micro_batches) for schedule in schedules]
+    else:                      # PyTorch's own classes: each name is mapped (or refused) before the first step too
+        for schedule in schedules:
+            if isinstance(schedule, str):        # a file's Schedule: DistributedPipeline says it needs a name
+                plan_schedule(schedule, stage_ranks, args.micro_batches)
     labels = [Path(name).stem if Path(name).is_file() else name for name in names]
     if len(set(labels)) < len(labels):
         raise ValueError(f"--schedule {args.schedule} names a schedule twice; name each once")
@@ -203,7 +210,7 @@ def run_check(args) -> int:
     report, ok = {}, True
     for name, schedule in zip(labels, schedules):
         model.zero_grad(set_to_none=True)
-        pipe = DistributedPipeline(model, args.placement, schedule, args.micro_batches, device=device,
+        pipe = DistributedPipeline(model, placement, schedule, args.micro_batches, device=device,
                                    pipeline_devices=p, runtime=args.runtime)
         pipe.dropout_seed = args.seed
         result = pipe.train_step(batch)

@@ -62,6 +62,12 @@ def plan_schedule(schedule: str, stage_ranks: list[int], m: int) -> TorchPlan:
         key = canonical(schedule)
     except ValueError:
         key = None
+    if key in ("zbv", "dualpipev"):
+        raise ValueError(f"--runtime torch --schedule {schedule}: mpedu does not run PyTorch's own "
+                         f"{'ScheduleZBVZeroBubble' if key == 'zbv' else 'ScheduleDualPipeV'}, whose eval() fails in "
+                         f"torch {torch.__version__} (the rank holding two adjacent stages hands over a gradient "
+                         f"that evaluation has not got); mpedu's {key} is its order action for action: leave "
+                         "--runtime at mpedu")
     if key not in NAMES:
         raise ValueError(f"unknown schedule {schedule!r} among PyTorch's own classes; choose one of "
                          f"{', '.join(NAMES)} (mpedu's own action lists run any schedule: leave --runtime at mpedu)")
@@ -70,7 +76,8 @@ def plan_schedule(schedule: str, stage_ranks: list[int], m: int) -> TorchPlan:
     shape = layout(list(stage_ranks))
     if shape in ("v", "other"):
         why = ("a V (stage s and stage 2p-1-s on one rank) is what PyTorch's ZBV schedule wants, but in torch "
-               f"{torch.__version__} ScheduleZBVZeroBubble cannot evaluate (eval() fails), so mpedu does not offer it"
+               f"{torch.__version__} ScheduleZBVZeroBubble cannot evaluate (eval() fails), so --runtime torch does not "
+               "offer it (mpedu's zbv and dualpipev run the V with --runtime mpedu)"
                if shape == "v" else "PyTorch's multi-stage schedules put stage s on rank s % p")
         raise ValueError(f"stage ranks {list(stage_ranks)}: each rank must hold one stage, or stages dealt "
                          f"round-robin (stage s on rank s % p); {why}. {ROUND_ROBIN_HINT}")

@@ -79,7 +79,7 @@ class DistributedPipeline(BaseRunner):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mesh = make_mesh(pipeline_devices)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.placement = rank_placement(model, placement, self.mesh.pipeline)
+        self.placement = rank_placement(model, placement, self.mesh.pipeline, schedule)   # None: even, or the V
         self.placement.check_tied_weights(model)
         self.stage_ranks = self.placement.stage_devices          # stage s runs in pipeline rank stage_ranks[s]
         self.micro_batches = micro_batches

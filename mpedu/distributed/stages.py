@@ -122,6 +122,16 @@ class TimedStage(pp.PipelineStage):
                               f"rank:{op.peer}")
         return ops
 
+    # The V's two stages on one rank hand their tensors over in memory (torch's "V-schedule special case"); in
+    # eval() torch's runtime still plays the backwards, which skip themselves, but their hand-over raises
+    # ("can't steal_bwd_input"): with no backward there is nothing to hand over.
+    def get_local_bwd_output(self, mb_index):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index):
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
     def get_fwd_send_ops(self, fwd_chunk_id):
         return self._sent(super().get_fwd_send_ops(fwd_chunk_id), fwd_chunk_id)
 
