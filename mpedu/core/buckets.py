@@ -25,10 +25,12 @@ class BucketPlan:
     chunk_bounds: list[tuple[int, int]]
     steps: int = 0      # how many steps used this plan
     starts: list[int] = field(init=False)     # each micro-batch's first column: where its dropout masks start
+    chunk_starts: list[int] = field(init=False)   # each time chunk's first time step
     equal: bool = field(init=False)           # all one width (read every step: worked out once)
 
     def __post_init__(self):
         self.starts = list(itertools.accumulate(self.sizes, initial=0))[:-1]
+        self.chunk_starts = [lo for lo, _ in self.chunk_bounds]
         self.equal = len(set(self.sizes)) == 1
 
     def __str__(self) -> str:

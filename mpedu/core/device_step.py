@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.clock import Clock
-from ..runtime.streams import copies_for
 from .mailbox import Aborted
-from .recompute import recomputes
 from .schedules import Action
 from .timeline import Mark, new_mark
 
@@ -33,12 +31,11 @@ class DeviceStep:
         self.stages, self.last = pipe.stages, len(pipe.stages) - 1
         self.row, self.scale, self.train = row, scale, train
         self.mailbox, self.timeline, self.t0, self.key = mailbox, timeline, t0, key
-        self.starts, self.chunk_starts = plan.starts, [lo for lo, _ in plan.chunk_bounds]   # first column, time step
+        self.starts, self.chunk_starts = plan.starts, plan.chunk_starts     # first column, first time step
         self.split = pipe.schedule.split_backward       # stages whose backward leaves W for later
-        # per stage: whether micro-batch i re-runs its forward in the backward (activation recomputation)
-        self.again = [[train and recomputes(mode, i, pipe.micro_batches) for i in range(pipe.micro_batches)]
-                      for mode in pipe.recompute]
-        self.copies = copies_for(self.device.torch_device, [s.device.torch_device for s in pipe.stages])
+        # per stage and micro-batch: whether its forward is re-run in the backward (activation recomputation)
+        self.again = pipe.recomputing[train]
+        self.copies = pipe.copies[d]
         self.inputs = self.copies.loader(micro.inputs)      # (t, b) slices of the batch, where this device reads
         self.targets = self.copies.loader(micro.targets)
         self.marks: list[Mark] = []
@@ -64,18 +61,20 @@ class DeviceStep:
     def forward(self, a) -> None:
         s, mb, chunk = a.stage, a.mb, a.chunk
         stage, mark = self.stages[s], self.mark
-        x = self.inputs(mb, chunk) if s == 0 else self.receive("act", a)     # or what stage s-1 sent
+        # everything but the input first: once a sent input arrives, only the box is left to run
         targets = self.targets(mb, chunk) if s == self.last else None
         # dropout draws at the slice's first batch column and time step (no key: evaluation, no dropout): the
         # micro-batches' sizes so far, equal or not, so that its masks are that slice of one device's
         where = self.key and self.key.at(self.starts[mb], self.chunk_starts[chunk])
+        again = self.again[s][mb]
+        x = self.inputs(mb, chunk) if s == 0 else self.receive("act", a)     # or what stage s-1 sent
         start = mark()
-        out = stage.forward(mb, chunk, x, targets, self.scale, train=self.train, where=where,
-                            recompute=self.again[s][mb])
-        held = stage.saved_bytes(mb, chunk)        # counted inside the box, as a step has always timed it
-        self.note(new_mark(("F", s, a, start, mark(), 0, "", held)))
-        if s < self.last:
+        out = stage.forward(mb, chunk, x, targets, self.scale, train=self.train, where=where, recompute=again)
+        end = mark()
+        if s < self.last:           # sent before the bookkeeping: the next stage may be waiting for it
             self.send(out, "act", s + 1, a)
+        # the box's memory, as a step has always counted it: what the forward left held
+        self.note(new_mark(("F", s, a, start, end, 0, "", stage.saved_bytes(mb, chunk))))
 
     def backward(self, a) -> None:
         s, mb, chunk = a.stage, a.mb, a.chunk
@@ -89,10 +88,11 @@ class DeviceStep:
         held = stage.saved_bytes(mb, chunk)
         start = mark()
         grad_in = stage.backward(mb, chunk, grad, weights=s not in self.split)
-        # freed (fused), or kept for W with the output's gradient besides (split)
-        self.note(new_mark(("B", s, a, start, mark(), 0, "", stage.saved_bytes(mb, chunk) - held)))
-        if s > 0:
+        end = mark()
+        if s > 0:                   # sent first, as in forward
             self.send(grad_in, "grad", s - 1, a)
+        # freed (fused), or kept for W with the output's gradient besides (split)
+        self.note(new_mark(("B", s, a, start, end, 0, "", stage.saved_bytes(mb, chunk) - held)))
 
     def weight(self, a) -> None:
         stage, mark = self.stages[a.stage], self.mark

@@ -19,9 +19,9 @@ from .carry import CarriedState
 from .device_step import DeviceStep, sender_of
 from .mailbox import Aborted, Mailbox
 from .placement import Placement, as_placement
-from .recompute import recompute_modes
-from .runner import BaseRunner, StepInterrupted, StepResult, check_batch
-from .schedules import Action, Schedule, ScheduleError
+from .recompute import recompute_modes, recompute_table
+from .runner import BaseRunner, StepInterrupted, StepResult, check_batch, check_layers, checked_schedule
+from .schedules import Action, Schedule
 from .stage import Stage
 from .timeline import Timeline
 
@@ -86,6 +86,12 @@ class Pipeline(BaseRunner):
         self.stages = [Stage(s, names, [model.layers[name].to(dev.torch_device) for name in names], dev,
                              is_last=s == len(runs) - 1) for s, (dev, names) in enumerate(runs)]
         streams.settle(self.devices)     # the layers' copies to a GPU, before any worker reads them
+        # what every step's device jobs read, worked out once: per stage and micro-batch, whether its forward is
+        # re-run in the backward; per device, how its worker moves tensors (mpedu.runtime.streams)
+        self.recomputing = recompute_table(self.recompute, self.micro_batches)
+        self.copies = [streams.copies_for(d.torch_device, [s.device.torch_device for s in self.stages])
+                       for d in self.devices]
+        self._modules = list(model.modules())     # whose training flags each train_step reads
         self._eval_actions = schedules.forwards_only(self.placement.stage_devices, self.micro_batches, self.chunks)
         self.bucket_cache: dict[tuple[int, int], BucketPlan] = {}
         self.before_training_step: list = []          # checks installed around the step (a memory cap)
@@ -119,34 +125,14 @@ class Pipeline(BaseRunner):
         A step that raises (an error, Ctrl-C) leaves the pipeline ready for the next one, but the
         backwards that ran before it stopped have added into `.grad`: zero the gradients first.
         """
-        if not all(module.training for module in self.model.modules()):   # (train() itself: 20 us a step)
+        if not all(module.training for module in self._modules):   # (train() itself: 20 us a step)
             self.model.train()
-        return self._step(batch, self._checked_schedule().actions, train=True)
+        return self._step(batch, checked_schedule(self.schedule, self._counts).actions, train=True)
 
     def eval_step(self, batch) -> StepResult:
         """Forward only (no gradients), in GPipe's fill order."""
         self.model.eval()
         return self._step(batch, self._eval_actions, train=False)
-
-    def _checked_schedule(self) -> Schedule:
-        """`self.schedule`, checked again if it was edited or replaced since it was checked: its rows are
-        lists a caller can change, and an edited row would run unchecked (a missing backward: wrong
-        gradients; a missing forward: a wait with nobody to send). Cheap when unchanged: one hash."""
-        schedule = self.schedule
-        if not isinstance(schedule, Schedule):
-            raise TypeError(f"pipe.schedule was replaced by {schedule!r}, not a Schedule; build a new Pipeline "
-                            "with the schedule you want")
-        counts = (list(schedule.stage_devices), schedule.micro_batches, schedule.chunks)
-        if counts != self._counts:
-            raise ScheduleError(
-                f"pipe.schedule was changed after the Pipeline was built: it now puts stages on devices "
-                f"{counts[0]} with {counts[1]} micro-batches and {counts[2]} time chunks, this pipeline "
-                f"{self.placement.stage_devices}, {self.micro_batches} and {self.chunks}; build a new Pipeline")
-        try:
-            return schedule.validated()
-        except ScheduleError as e:
-            raise ScheduleError(f"pipe.schedule was edited after the Pipeline was built and cannot run, so "
-                                f"no step ran: {e}") from None
 
     def bucket_plan(self, batch) -> BucketPlan:
         """The shape-specific part of a step, made once per bucket shape (mpedu.core.buckets)."""
@@ -202,11 +188,7 @@ class Pipeline(BaseRunner):
         if not self._finalizer.alive:
             raise RuntimeError("this Pipeline is closed; build a new one")
         tokens = check_batch(batch, self.model.vocab_size)
-        for stage in self.stages:        # the stages run the layers they were given: a swapped one would not train
-            for name, layer in zip(stage.names, stage.layers):
-                if self.model.layers[name] is not layer:
-                    raise RuntimeError(f"the model's layer {name!r} was replaced after this Pipeline was built, "
-                                       "which would go on running the old one; build a new Pipeline on the model")
+        check_layers(self.model, self.stages)
         plan = self.bucket_plan(batch)
         for check in self.before_training_step if train else ():
             check(batch)

@@ -64,3 +64,10 @@ def check_mode(mode, what: str) -> None:
 def recomputes(mode: str | None, mb: int, micro_batches: int) -> bool:
     """Whether micro-batch `mb` of a stage in this mode re-runs its forward during its backward."""
     return mode == "all" or (mode == "all-but-last" and mb != micro_batches - 1)
+
+
+def recompute_table(modes: list[str | None], micro_batches: int) -> dict[bool, list[list[bool]]]:
+    """{training: per stage, per micro-batch, whether its forward is re-run in the backward}: what every step
+    reads on its critical path, worked out once. Evaluation (False) keeps nothing, so re-runs nothing."""
+    return {True: [[recomputes(mode, i, micro_batches) for i in range(micro_batches)] for mode in modes],
+            False: [[False] * micro_batches for _ in modes]}

@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..lm.data import PAD_ID
+from .schedules import Schedule, ScheduleError
 
 
 class StepInterrupted(KeyboardInterrupt):
@@ -135,7 +136,7 @@ def check_batch(batch, vocab_size: int) -> int:
     """Refuse a batch the model cannot read, naming what is wrong, before torch fails deep inside;
     return its real (non-padding) target tokens.
 
-    Two min/max reductions and a sum per step: cheap next to the step itself.
+    Two min-and-max passes, a compare and a sum per step: cheap next to the step itself.
     """
     inputs, targets, mask = (getattr(batch, k, None) for k in ("inputs", "targets", "mask"))
     if not all(torch.is_tensor(t) for t in (inputs, targets, mask)):
@@ -150,7 +151,8 @@ def check_batch(batch, vocab_size: int) -> int:
         if t.dtype not in dtypes:
             raise ValueError(f"batch {what} must be token ids of dtype {' or '.join(map(str, dtypes))}, got "
                              f"{t.dtype}" + ("; convert with .long()" if not t.is_floating_point() else ""))
-    lo, hi = min(int(inputs.min()), int(targets.min())), max(int(inputs.max()), int(targets.max()))
+    (lo_in, hi_in), (lo_out, hi_out) = torch.aminmax(inputs), torch.aminmax(targets)    # one pass each
+    lo, hi = min(int(lo_in), int(lo_out)), max(int(hi_in), int(hi_out))
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         raise ValueError(f"the batch holds token id {bad}, but the model's vocabulary has ids 0..{vocab_size - 1}; "
@@ -166,6 +168,36 @@ def check_batch(batch, vocab_size: int) -> int:
     if tokens == 0:
         raise ValueError("the batch has no real (non-padding) target tokens")
     return tokens
+
+
+def check_layers(model, stages) -> None:
+    """The stages run the layers they were given: one the model has swapped for another since would not train."""
+    for stage in stages:
+        for name, layer in zip(stage.names, stage.layers):
+            if model.layers[name] is not layer:
+                raise RuntimeError(f"the model's layer {name!r} was replaced after this Pipeline was built, "
+                                   "which would go on running the old one; build a new Pipeline on the model")
+
+
+def checked_schedule(schedule, built: tuple) -> "Schedule":
+    """A pipeline's `schedule`, checked again if it was edited or replaced since it was checked: its rows are
+    lists a caller can change, and an edited row would run unchecked (a missing backward: wrong gradients; a
+    missing forward: a wait with nobody to send). `built`: (stage devices, micro-batches, time chunks) the
+    pipeline was built for. Cheap when unchanged: one hash."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"pipe.schedule was replaced by {schedule!r}, not a Schedule; build a new Pipeline "
+                        "with the schedule you want")
+    counts = (list(schedule.stage_devices), schedule.micro_batches, schedule.chunks)
+    if counts != built:
+        raise ScheduleError(
+            f"pipe.schedule was changed after the Pipeline was built: it now puts stages on devices "
+            f"{counts[0]} with {counts[1]} micro-batches and {counts[2]} time chunks, this pipeline "
+            f"{built[0]}, {built[1]} and {built[2]}; build a new Pipeline")
+    try:
+        return schedule.validated()
+    except ScheduleError as e:
+        raise ScheduleError(f"pipe.schedule was edited after the Pipeline was built and cannot run, so "
+                            f"no step ran: {e}") from None
 
 
 def fit_width(batch, micro_batches):
