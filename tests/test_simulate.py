@@ -5,8 +5,8 @@ import time
 import pytest
 
 from conftest import tiny_model
-from mpedu.core import Placement, make, run_order
-from mpedu.predict import Costs, StageCost, fit_link, peak_in_flight, simulate
+from mpedu.core import Placement, Schedule, make, run_order
+from mpedu.predict import Costs, StageCost, fit_link, overlap_saving, peak_in_flight, simulate
 from mpedu.runtime import Link
 
 NO_LINK = Link(latency_s=0.0)
@@ -250,3 +250,100 @@ def test_a_stage_cost_refuses_a_negative_or_nan_size(field):
 def test_arguments_simulate_cannot_use_are_named_with_what_they_take(call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+# -- overlapped F || B pairs (DualPipeV): overlap=True plays each as one box of max(F, B) ---------------------------
+V2 = [0, 1, 1, 0]                   # the V on 2 devices: stages 0 and 3 on device 0, 1 and 2 on device 1
+
+
+def pair_events(tl, schedule):
+    """(device, F event, B event) of each overlapped pair of `schedule` in the timeline."""
+    found = []
+    for d, k in sorted(schedule.overlapped):
+        boxes = {(e.kind, e.stage, e.mb, e.chunk): e for e in tl.compute(tl.devices[d])}
+        f, b = (boxes[tuple(a)] for a in schedule.actions[d][k:k + 2])
+        found.append((d, f, b))
+    return found
+
+
+def test_dualpipev_with_overlap_plays_each_pair_in_one_tick_at_unit_costs():
+    s = make("dualpipev", V2, 4)
+    unit = [StageCost(1.0)] * 4                                          # F = B = W = 1
+    assert simulate(s, unit, link=NO_LINK).makespan == pytest.approx(25)    # 6m + p - 1: a pair takes 2 ticks
+    tl = simulate(s, unit, link=NO_LINK, overlap=True)
+    # by hand: device 0 runs 0F0 0F1 0F2 in [0, 3], 3F0 3B0 3W0 3F1 in [3, 7], pair 0F3||3B1 [7, 8], 3W1, pair
+    # 3F2||0B0 [9, 10] (1B0 ends at 9), ... 3F3||0B1 [13, 14] (1B1 ends at 13); device 1's pairs start at 8, 10
+    # and 12; the drain ends with 1B3 [19, 20], 2W3, 1W3 on device 1 and 0B3 [20, 21], 0W3 on device 0: 22
+    assert tl.makespan == pytest.approx(22)
+    pairs = pair_events(tl, s)
+    assert [(d, f.start) for d, f, _ in pairs] == [(0, 7), (0, 9), (0, 13), (1, 8), (1, 10), (1, 12)]
+    for _, f, b in pairs:        # one tick, drawn F then B, half each
+        assert (f.end, b.start, b.end) == pytest.approx((f.start + 0.5, f.start + 0.5, f.start + 1))
+    assert [tl.busy(d) for d in tl.devices] == pytest.approx([24 - 3, 24 - 3])    # 3 pairs a device, a tick each
+    assert tl.bubble_fraction == pytest.approx(1 - 42 / 44)
+    assert tuple(overlap_saving(s, unit, link=NO_LINK)) == pytest.approx((25, 22, 3 / 25))
+
+
+def test_an_overlapped_pair_lasts_the_longer_of_its_two_actions():
+    s = make("dualpipev", V2, 4)
+    slow_b = [StageCost(1.0, backward=4.0, backward_input=3.0, backward_weight=1.0)] * 4     # F = 1, B = 3, W = 1
+    tl = simulate(s, slow_b, link=NO_LINK, overlap=True)
+    for _, f, b in pair_events(tl, s):
+        assert b.end - f.start == pytest.approx(3)                   # max(1, 3), not 1 + 3
+        assert (f.duration, b.start) == pytest.approx((0.75, f.end))  # the box shared 1 : 3
+    in_turn = simulate(s, slow_b, link=NO_LINK)
+    assert [in_turn.busy(d) for d in in_turn.devices] == pytest.approx([40, 40])    # 2 stages x 4 x (1 + 3 + 1)
+    assert [tl.busy(d) for d in tl.devices] == pytest.approx([40 - 3, 40 - 3])      # each pair hides its F
+
+
+def test_a_pair_starts_once_both_its_inputs_are_in():
+    s = Schedule.from_text("""
+        0F0 0F1 2F0 2B0 2F1 0B0 2B1 0B1
+        1F0 1F1 1B0 1B1""", stage_devices=[0, 1, 0])
+    s.overlapped = frozenset({(0, 4)})                               # 2F1 || 0B0
+    costs = [StageCost(2.0, backward=1.0)] * 3                       # F = 2, B = 1
+    tl = simulate(s, costs, link=NO_LINK, overlap=True)
+    # by hand: device 0 is free at 7 and 1F1 (2F1's input) ends at 6, but 1B0 (0B0's) only at 8: the box is [8, 10]
+    [(_, f, b)] = pair_events(tl, s)
+    assert (f.start, f.end, b.start, b.end) == pytest.approx((8, 8 + 4 / 3, 8 + 4 / 3, 10))
+    # in turn 2F1 runs in [7, 9] and 0B0 in [9, 10]: the waiting costs the overlap all it hid; 2B1 [10, 11],
+    # 1B1 [11, 12], 0B1 [12, 13] either way
+    assert tl.makespan == pytest.approx(13) and simulate(s, costs, link=NO_LINK).makespan == pytest.approx(13)
+
+
+def test_overlap_with_a_link_still_sends_every_tensor_when_the_box_ends():
+    s = Schedule.from_text("""
+        0F0 2F0 0F1 2B0 2F1 2B1 0B0 0B1
+        1F0 1F1 1B0 1B1""", stage_devices=[0, 1, 0])
+    s.overlapped = frozenset({(0, 2)})                               # 0F1 || 2B0: both send to device 1
+    costs, link = [StageCost(1.0, output_bytes=10)] * 3, Link(latency_s=0.5)     # F = 1, B = 2
+    in_turn, tl = simulate(s, costs, link=link), simulate(s, costs, link=link, overlap=True)
+    # by hand, in turn: 0F1 [4, 5] sends at 5, 2B0 [5, 7] at 7; 1F1 [5.5, 6.5], 1B0 [7.5, 9.5], 2F1 [7, 8],
+    # 2B1 [8, 10], 0B0 [10, 12], 1B1 [10.5, 12.5], 0B1 [13, 15]. Overlapped: the box [4, 6] sends both at 6,
+    # so 1F1 [6.5, 7.5], 1B0 [7.5, 9.5], 2F1 [8, 9], 2B1 [9, 11], 0B0 [11, 13], 1B1 [11.5, 13.5], 0B1 [14, 16]
+    assert (in_turn.makespan, tl.makespan) == pytest.approx((15, 16))
+    assert len(tl.transfers()) == len(in_turn.transfers()) == 8 and tl.bytes_moved == in_turn.bytes_moved == 80
+    sent = {(e.stage, e.mb): (e.start, e.end) for e in tl.transfers() if e.device == "gpu:0"}
+    assert sent[0, 1] + sent[2, 0] == pytest.approx((6, 6.5, 6, 6.5))
+    assert tuple(overlap_saving(s, costs, link=link)) == pytest.approx((15, 16, -1 / 15))    # overlap can cost
+    # DualPipeV on a slow link: the 16 transfers still go, each pair's from its box's end
+    v, unit, slow = make("dualpipev", V2, 4), [StageCost(1.0, output_bytes=10)] * 4, Link(0.25, 100.0)
+    tl, in_turn = simulate(v, unit, link=slow, overlap=True), simulate(v, unit, link=slow)
+    assert len(tl.transfers()) == len(in_turn.transfers()) == 16 and tl.bytes_moved == in_turn.bytes_moved
+    sends = {(e.stage, e.mb): e for e in tl.transfers()}
+    # on the V only 0F, 1B, 2F and 3B cross devices: 0F3||3B1, 2F2||1B0 and 2F3||1B1 send both, the others neither
+    sending = [(x, b.end) for _, f, b in pair_events(tl, v) for x in (f, b) if x.kind == "FBFB"[x.stage]]
+    assert len(sending) == 6
+    assert [sends[x.stage, x.mb].start for x, _ in sending] == pytest.approx([end for _, end in sending])
+    assert tl.makespan > 22
+
+
+@pytest.mark.parametrize("name,devices,m", [("1f1b", [0, 1], 4), ("zb1", [0, 1, 2], 5), ("zbv", V2, 4),
+                                            ("interleaved", [0, 1, 0, 1], 4)])
+def test_overlap_changes_nothing_without_pairs(name, devices, m):
+    s = make(name, devices, m)
+    assert not s.overlapped
+    costs = [StageCost(1.0, backward_input=1.2, backward_weight=0.8, output_bytes=100)] * s.num_stages
+    for link in (NO_LINK, Link(latency_s=0.1, bandwidth_Bps=1000.0)):
+        assert simulate(s, costs, link=link, overlap=True).to_dict() == simulate(s, costs, link=link).to_dict()
+        assert overlap_saving(s, costs, link=link).share == 0.0

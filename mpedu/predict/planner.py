@@ -43,7 +43,8 @@ from .profiling import Costs, StageCost
 from .simulator import simulate
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb1", "wavefront")
-# Searched only when asked for (schedules=...): the explorer, which offers SCHEDULES, cannot draw a V yet.
+# Searched only when asked for (schedules=...): the explorer's best-plans table searches SCHEDULES, and a V search
+# (every split of 2p stages) costs as much again.
 # "zb_cap" is zero bubble under a memory cap, every cap from 1 to 2p micro-batches per device (zb_cap1, zb_cap2, ..).
 V_SCHEDULES = schedules.V_SHAPED        # zbv, dualpipev, v_half, v_min
 EXTRA_SCHEDULES = V_SCHEDULES + ("zb_cap",)

@@ -7,7 +7,7 @@ from typing import Mapping, Sequence
 
 from ..core import schedules
 from ..core.recompute import recompute_modes, recomputes
-from ..core.schedules import Schedule
+from ..core.schedules import Schedule, ScheduleError
 from ..core.timeline import Event, Timeline
 from ..lm import check_sizes
 from ..runtime.link import Channel, Link
@@ -19,7 +19,7 @@ from .profiling import Costs, StageCost
 def simulate(schedule, costs, placement=None, *, micro_batches: int | Sequence[int] | None = None,
              chunks: int | None = None, link: Link | str | None = None,
              speed: Mapping[str, float] | Sequence[float] | None = None, cores: float | None = None,
-             devices: Sequence[str] | None = None, recompute=None) -> Timeline:
+             devices: Sequence[str] | None = None, recompute=None, overlap: bool = False) -> Timeline:
     """Play `schedule` with `costs` and return the predicted Timeline (source "predicted").
 
         simulate(pipe, profile(model, batch, micro_batches=4))          # a Pipeline's own plan
@@ -60,6 +60,12 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | Sequence[i
     bytes, as mpedu.predict.footprint counts them): the predicted timeline's peak_memory is the model's. With time
     chunks a chunk is charged 1/chunks of the costs' bytes; a chunk keeps more than its share (its state
     comes in), so give costs whose chunks were weighed, CostCurve.at(T, b, chunks), as the planner does.
+    overlap: play each overlapped pair (Schedule.overlapped, DualPipeV's F || B) as a GPU would at best: one box
+    that starts once both actions' inputs are in, lasts max(F, B) (the shorter one wholly hidden behind the
+    longer, as two CUDA streams could), and sends both outputs at its end, as DeepSeek's DualPipe runs its
+    overlapped chunk. Drawn as F then B inside the box, each a share in proportion to its cost. A prediction
+    only: mpedu's engine (virtual devices, CPU threads) runs the pair one after the other, as overlap=False
+    does. No pairs, no change; overlap_saving compares the two.
     """
     sizes = None
     if isinstance(micro_batches, (list, tuple)):
@@ -117,7 +123,8 @@ def simulate(schedule, costs, placement=None, *, micro_batches: int | Sequence[i
         raise ValueError(f"cores={cores}: give a positive number of cores, or None for independent devices")
     modes = recompute_modes(recompute, schedule.num_stages)
     each = _per_micro_batch(costs, stage_costs, placement, sizes, schedule)
-    timeline = _play(schedule, stage_costs, names, Link.parse(link), _speeds(speed, names), cores, modes, each)
+    timeline = _play(schedule, stage_costs, names, Link.parse(link), _speeds(speed, names), cores, modes, each,
+                     schedule.overlapped if overlap else frozenset())
     timeline.micro_batch_sizes = sizes
     return timeline
 
@@ -218,7 +225,7 @@ def _items(values) -> list:
 
 
 def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], link: Link,
-          speed: list[float], cores: float | None = None, modes=None, each=None) -> Timeline:
+          speed: list[float], cores: float | None = None, modes=None, each=None, pairs=frozenset()) -> Timeline:
     """Time every action (schedules.run_order, or _run_shared when devices share cores or
     transfers may queue) and turn that into events.
 
@@ -227,7 +234,7 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
     says: link.time(bytes) after the send on an idle link, later behind earlier
     transfers. F's activation goes to stage s+1, B's input gradient (same size as
     stage s-1's output) to stage s-1. `each`: per micro-batch, its own StageCosts (unequal widths); None:
-    `stage_costs` for every one.
+    `stage_costs` for every one. `pairs`: the (device, position) of overlapped pairs to play as one box.
     """
     split, chunks, sd = schedule.split_backward, schedule.chunks, schedule.stage_devices
     n, inf, m = schedule.num_stages, float("inf"), schedule.micro_batches
@@ -258,7 +265,8 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
         return own / speed[d]
 
     arrivals: dict = {}                                            # sending action -> when its tensor lands
-    if link.bandwidth_Bps == inf and (cores is None or cores >= schedule.num_devices):
+    sent: dict = {}                                                # sending action -> when its tensor leaves
+    if not pairs and link.bandwidth_Bps == inf and (cores is None or cores >= schedule.num_devices):
         # Without a bandwidth limit transfers never queue: each lands link.time(bytes) after its send.
         # The tensor an action waits for: F(s) gets stage s-1's output, B(s) the gradient of stage s's output.
         def landing(costs):
@@ -275,10 +283,10 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
             if out is None or sd[out[0]] == d:
                 return None
             channel = channels.setdefault((d, sd[out[0]]), Channel(link))
-            arrivals[a] = channel.arrival(end, out[1])
+            sent[a], arrivals[a] = end, channel.arrival(end, out[1])
             return arrivals[a]
 
-        played = _run_shared(schedule, cost, None, inf if cores is None else cores, send=send)
+        played = _run_shared(schedule, cost, None, inf if cores is None else cores, send=send, pairs=pairs)
     timeline = Timeline(list(names), source="predicted")
     events = timeline.events
     # activation bytes each action adds or frees (mpedu.predict.footprint's units), so that the predicted timeline's
@@ -305,23 +313,25 @@ def _play(schedule: Schedule, stage_costs: list[StageCost], names: list[str], li
         out = outgoing(a)
         if out is not None and sd[out[0]] != d:
             peer, nbytes = out
-            events.append(Event(names[d], "send", a.stage, a.mb, end, arrivals.get(a, end + link.time(nbytes)),
-                                a.chunk, nbytes, names[sd[peer]]))
+            events.append(Event(names[d], "send", a.stage, a.mb, sent.get(a, end),
+                                arrivals.get(a, end + link.time(nbytes)), a.chunk, nbytes, names[sd[peer]]))
     return timeline
 
 
-def _run_shared(schedule: Schedule, cost, link, cores: float, send=None) -> list[tuple[int, object, float, float]]:
+def _run_shared(schedule: Schedule, cost, link, cores: float, send=None,
+                pairs=frozenset()) -> list[tuple[int, object, float, float]]:
     """Like schedules.run_order, but devices share `cores` processors: while n devices compute, each
     progresses at min(1, cores / n) seconds of work per second (processor sharing; alone, at 1).
     Steps from event to event: an action finishing, or one becoming ready to start.
 
     A dependency from another device is usable `link(action)` seconds after it ends, or, with
     `send(device, action, end) -> arrival`, when send says: it is called as each action ends,
-    in time order, so a Channel can queue the transfers (None: the action sends nothing)."""
+    in time order, so a Channel can queue the transfers (None: the action sends nothing).
+    `pairs`: (device, position) of overlapped pairs, each played as one box (see simulate's overlap)."""
     p, inf = schedule.num_devices, float("inf")
     done: dict = {}                                     # action -> (device, end, arrival elsewhere or None)
     free, pos = [0.0] * p, [0] * p
-    current: list = [None] * p                          # [action, start, work left in seconds]
+    current: list = [None] * p                          # [actions, start, work left in seconds, each one's work]
     played, now = [], 0.0
     total = sum(len(row) for row in schedule.actions)
     while len(played) < total:
@@ -329,19 +339,22 @@ def _run_shared(schedule: Schedule, cost, link, cores: float, send=None) -> list
         for d in range(p):
             if current[d] is not None or pos[d] == len(schedule.actions[d]):
                 continue
-            a = schedule.actions[d][pos[d]]
-            deps = schedule.dependencies(a)
-            if any(dep not in done for dep in deps):
+            group = schedule.actions[d][pos[d]:pos[d] + (2 if (d, pos[d]) in pairs else 1)]
+            deps = [(a, dep) for a in group for dep in schedule.dependencies(a)]
+            if any(dep not in done for _, dep in deps):
                 continue
             ready = max([free[d]] + [end if src == d else arrival if arrival is not None else end + link(a)
-                                     for src, end, arrival in map(done.get, deps)])
+                                     for a, (src, end, arrival) in ((a, done[dep]) for a, dep in deps)])
             if ready <= now:
-                current[d] = [a, now, cost(d, a)]
+                work = [cost(d, a) for a in group]
+                current[d] = [group, now, max(work), work]
             else:
                 next_ready = min(next_ready, ready)
         busy = [d for d in range(p) if current[d] is not None]
         if not busy and next_ready == inf:
             schedules.run_order(schedule)               # raises ScheduleError, naming the deadlock
+            # (not for a validated schedule: whatever a pair's B waits for that needs its F runs between the two)
+            raise ScheduleError(f"{schedule.name!r} deadlocks under overlap=True; play it with overlap=False")
         # one device alone runs as profiled; cores < 1 (two workers do less than one) is a real measurement
         rate = min(1.0, cores / len(busy)) if len(busy) > 1 else 1.0
         finish = min((current[d][2] / rate for d in busy), default=inf)
@@ -350,11 +363,15 @@ def _run_shared(schedule: Schedule, cost, link, cores: float, send=None) -> list
         for d in busy:
             current[d][2] -= step * rate
             if current[d][2] <= 1e-12 * max(1.0, now):    # finished (up to rounding)
-                a, start, _ = current[d]
-                done[a] = (d, now, send(d, a, now) if send is not None else None)
+                group, start, _, work = current[d]
+                for k, a in enumerate(group):           # a pair's box drawn F then B, in proportion to their costs
+                    end = now if k == len(group) - 1 else start + (now - start) * work[k] / (sum(work) or 1.0)
+                    played.append((d, a, start, end))
+                    start = end
+                for a in group:                         # a pair sends both outputs as its box ends
+                    done[a] = (d, now, send(d, a, now) if send is not None else None)
                 free[d] = now
-                pos[d] += 1
-                played.append((d, a, start, now))
+                pos[d] += len(group)
                 current[d] = None
     played.sort(key=lambda x: (x[2], x[0]))
     return played
