@@ -1,10 +1,11 @@
 """Notebook 05 in a real browser, in each front end the course supports (JupyterLab 4, Notebook 7, Voilà): its
 explorer's cells run, a layer chip is dragged to another device, the kernel sees it and the timeline redraws; a
 change from the kernel during a drag waits for the drag to end; a refused choice leaves no stale figure, status or blank
-space; three arrow presses in a row each move a chip; every position of the sliders is accepted; and the time
+space; three arrow presses in a row each move a chip; every position of the sliders is accepted; ZB-V from the menu
+draws the V (the first device's column holds stage 0 and the last stage); and the time
 from a drop or a slider's release to the new timeline is measured in the browser (printed, never asserted: shared
 machines are noisy). In JupyterLab, a best plan's "apply" puts its placement on the board. MPEDU_SCREENSHOTS=<folder>
-saves the explorer at 1280x720 and 1440x900 there, and the best plans. Last, in each front end, a small notebook of
+saves the explorer at 1280x720 and 1440x900 there, the V's board, and the best plans. Last, in each front end, a small notebook of
 its own steps through a predicted 1F1B step (mpedu.course.step_through) with a click and the → key."""
 import contextlib
 import importlib.util
@@ -24,7 +25,7 @@ from typing import NamedTuple
 import pytest
 
 from mpedu.core import Placement
-from mpedu.course import SCHEDULES, SLOWDOWNS, link_label
+from mpedu.course import SCHEDULE_MENU, SCHEDULES, SLOWDOWNS, link_label
 from mpedu.runtime import LINKS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -377,6 +378,7 @@ def test_dragging_a_layer_changes_the_kernels_placement_and_redraws(page, server
         _three_arrow_presses_move_a_chip_three_times(page, server)
         _every_slider_position_is_accepted(page, server)
         _redraw_times(page, server)
+        _a_v_puts_the_first_and_the_last_stage_on_device_0(page, server)
         _fits_a_laptop_screen(page, server, Path(os.environ.get("MPEDU_SCREENSHOTS") or tmp_path))
 
 
@@ -679,6 +681,33 @@ def _redraw_times(page, server: Server) -> None:
           f"micro-batch slider -> timeline ms: {[round(x) for x in slides]}, median {median(slides):.0f}; first new "
           f"micro-batch size {first:.0f} ms (busy shared machine)")
     assert all(x > 0 for x in drags + slides)
+
+
+def _a_v_puts_the_first_and_the_last_stage_on_device_0(page, server: Server) -> None:
+    """ZB-V from the menu: the kernel lays the layers out as a V, and the page draws the first device's column with
+    two stage boxes, stage 0 (embed first) and the last stage (decode last), the last device's with the two middle
+    ones."""
+    explorer = page.locator(".mpedu-explorer").last
+    _settled(page, server)
+    explorer.locator("select").first.select_option(label=SCHEDULE_MENU["zbv"])
+    v = _wait_for(lambda: (s := server.read_state()) and s["schedule"] == "zbv" and s["cuts"] and s["placement"]
+                  and s, 20, "the kernel to lay the layers out as a V")
+    devices, last = v["devices"], 2 * len(v["devices"]) - 1
+    _wait_for(lambda: _board(explorer) == v["assignment"], 10, "the V's chips on the page")
+    column = lambda d: explorer.locator(f".mpedu-device[data-device='{d}']")   # noqa: E731
+    boxes = lambda d: column(d).locator(".mpedu-stage").evaluate_all(   # noqa: E731  [stage name, layers] per box
+        "boxes => boxes.map((b) => [b.querySelector('.mpedu-stage-name').textContent,"
+        " [...b.querySelectorAll('.mpedu-chip')].map((c) => c.dataset.layer)])")
+    _wait_for(lambda: [name for name, _ in boxes(devices[0])] == ["stage 0", f"stage {last}"], 10,
+              f"{devices[0]}'s column to hold stage 0 and stage {last}")
+    (_, first), (_, final) = boxes(devices[0])
+    assert first[0] == "embed" and final[-1] == "decode", boxes(devices[0])
+    assert [name for name, _ in boxes(devices[-1])] == [f"stage {len(devices) - 1}", f"stage {len(devices)}"]
+    if os.environ.get("MPEDU_SCREENSHOTS"):                              # for a person to look at
+        folder = Path(os.environ["MPEDU_SCREENSHOTS"])
+        folder.mkdir(parents=True, exist_ok=True)
+        explorer.locator(".mpedu-board").first.screenshot(path=str(folder / f"v-board-{server.front_end.id}.png"))
+    _settled(page, server)
 
 
 def _fits_a_laptop_screen(page, server: Server, folder: Path) -> None:

@@ -22,8 +22,8 @@ def board(layers, text):
     return {k: v.name for k, v in placement.assignment.items()}
 
 
-def choose(layers, assignment, schedule="gpipe", m=4, chunks=2, batch_width=8, devices=DEVICES):
-    return check(layers, devices, assignment, schedule, schedule.upper(), m, chunks, batch_width)
+def choose(layers, assignment, schedule="gpipe", m=4, chunks=2, batch_width=8, devices=DEVICES, **board_and_sizes):
+    return check(layers, devices, assignment, schedule, schedule.upper(), m, chunks, batch_width, **board_and_sizes)
 
 
 def test_an_even_board_is_accepted_as_its_placement_and_schedule(layers):
@@ -87,3 +87,69 @@ def test_interleaved_with_no_micro_batch_count_that_fits_any_device_count_on_dea
                                                               "runs one stage per device), or pick GPipe.")
     assert "a batch of 1 sequence splits into 1 micro-batch, none" in message
     assert caught.value.fix == ("use GPipe", "schedule", "gpipe")
+
+
+def test_a_v_schedule_takes_a_v_board_with_its_cut_and_refuses_any_other_with_the_v_as_its_fix(layers):
+    from mpedu.course import V_SCHEDULES
+    assert {"zbv", "dualpipev"} <= set(V_SCHEDULES)
+    v = board(layers, "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu1 | decode:vgpu0")
+    placement, schedule = choose(layers, v, "zbv", cuts=["lstm2"])
+    assert placement.stage_devices == [0, 1, 1, 0] and schedule.name == "zbv"
+    with pytest.raises(Refusal, match="ZBV needs the layers laid out as a V") as refused:
+        choose(layers, v, "zbv")                          # without the cut: 3 stages, vgpu:1 holding one
+    text, setting, value = refused.value.fix
+    assert setting == "placement" and value == "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu1 | decode:vgpu0"
+    assert choose(layers, board(layers, value), "zbv", cuts=["lstm2"])[0].stage_devices == [0, 1, 1, 0]
+    # a cut whose neighbours sit on two devices is no cut: the even split stays two stages
+    even = board(layers, "embed,lstm0-1:vgpu0 | lstm2,decode:vgpu1")
+    assert len(choose(layers, even, "gpipe", cuts=["lstm2"])[0].stages) == 2
+
+
+def test_dualpipev_needs_a_micro_batch_per_stage_and_a_v_two_layers_a_device(layers):
+    v = board(layers, "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu1 | decode:vgpu0")
+    with pytest.raises(Refusal, match="at least as many micro-batches as stages: 4 for 2 devices, but you chose 2. "
+                                      "Pick 4 micro-batches or more, or pick ZB-V") as refused:
+        choose(layers, v, "dualpipev", m=2, cuts=["lstm2"])
+    assert refused.value.fix[1:] == ("micro_batches", 4)
+    with pytest.raises(Refusal) as refused:                # a batch of 2: no count of 4 to offer
+        choose(layers, v, "dualpipev", m=2, batch_width=2, cuts=["lstm2"])
+    assert refused.value.fix == ("use ZB-V", "schedule", "zbv")
+    three = ["vgpu:0", "vgpu:1", "vgpu:2"]
+    with pytest.raises(Refusal, match="at least 6 layers for 3 devices; this model has 5. Use 2 devices or fewer"):
+        choose(layers, board(layers, "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2,decode:vgpu2"), "zbv", devices=three)
+
+
+def test_tied_layers_on_two_devices_are_refused_with_the_v_or_zb_v_as_the_fix(layers):
+    even = board(layers, "embed,lstm0-1:vgpu0 | lstm2,decode:vgpu1")
+    with pytest.raises(Refusal, match="embed and decode share one weight matrix .tied weights., so they must sit on "
+                                      "one device, but embed is on vgpu:0 and decode on vgpu:1") as refused:
+        choose(layers, even, "gpipe", tied=[("embed", "decode")])
+    assert refused.value.fix[1] == "placement"           # GPipe runs the V as it is
+    with pytest.raises(Refusal) as refused:
+        choose(layers, even, "1f1b", tied=[("embed", "decode")])
+    assert refused.value.fix == ("use ZB-V", "schedule", "zbv")   # 1F1B would refuse a V's two stages a device
+    v = board(layers, "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu1 | decode:vgpu0")
+    assert choose(layers, v, "zbv", cuts=["lstm2"], tied=[("embed", "decode")])[1].name == "zbv"
+
+
+def test_the_sizes_box_is_read_as_sequences_adding_up_to_the_batch_or_refused_in_its_words():
+    from mpedu.course import read_sizes
+    assert read_sizes("", 8) is None and read_sizes("  ", 8) is None          # empty: equal micro-batches
+    assert read_sizes("1, 3,3 1", 8) == (1, 3, 3, 1)
+    for text, words in (("1,3,3", "sizes 1, 3, 3 add up to 7 sequences, but the batch holds 8"),
+                        ("2,-1,7", "“-1” is not a number of sequences"), ("8,0", "at least 1 sequence"),
+                        ("1.5,6.5", "“1.5” is not a number"), ("4,²,2", "“²” is not a number")):
+        with pytest.raises(Refusal, match=words) as refused:
+            read_sizes(text, 8)
+        assert refused.value.fix == ("use equal micro-batches", "sizes", "")
+        assert "_" not in str(refused.value)
+    with pytest.raises(Refusal, match="such as 4,12,12,4"):                    # its example adds up to the batch
+        read_sizes("1", 32)
+
+
+def test_unequal_sizes_give_the_micro_batch_count(layers):
+    dealing = board(layers, dealt(layers, DEVICES))
+    _, schedule = check(layers, DEVICES, dealing, "interleaved", "interleaved 1F1B", 1, 1, 8, sizes=(1, 3, 3, 1))
+    assert schedule.micro_batches == 4                    # the slider's 1 is not what runs
+    with pytest.raises(Refusal, match="you chose 3"):
+        check(layers, DEVICES, dealing, "interleaved", "interleaved 1F1B", 4, 1, 8, sizes=(2, 3, 3))

@@ -48,3 +48,20 @@ def test_the_timeline_front_end_fetches_nothing():
 def test_timeline_text_is_at_least_11_pixels():
     sizes = [int(s) for s in re.findall(r"font-size:\s*(\d+)px", TIMELINE_CSS)]
     assert sizes and min(sizes) >= 11
+
+
+def test_unequal_micro_batches_show_in_the_box_lengths_their_words_on_hover_and_the_legend():
+    sizes = [2, 6, 6, 2]
+    step = simulate("gpipe", [1e-3] * P, micro_batches=sizes)
+    panel, _, kinds = timeline_panel(step, "GPipe", step.makespan)
+    forwards = {b[6]: b for b in panel["boxes"] if b[0] == 0 and b[6].startswith("F")}
+    assert forwards["F1"][2] == pytest.approx(3 * forwards["F0"][2])      # 6 sequences take 3 times 2 sequences'
+    assert forwards["F1"][7] == "F1: stage 0, micro-batch 1, 6 sequences, 1.50 ms"
+    assert ("sizes", (2, 6, 6, 2)) in kinds
+    view = TimelineView()
+    view.show([step], ["GPipe"])
+    assert "micro-batch 0 holds 2 sequences, 1 holds 6, 2 holds 6 and 3 holds 2" in view.legend["labels"]
+    equal = simulate("gpipe", [1e-3] * P, micro_batches=M)
+    view.show([equal], ["GPipe"])
+    assert "holds" not in view.legend["labels"] and "sequence" not in view.panels[0]["boxes"][0][7]
+    assert 'svg("title", {}, tip)' in TIMELINE_ESM                                   # the tip, drawn as an SVG title

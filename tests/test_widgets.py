@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("anywidget")
 
+import mpedu.course.explorer_run as explorer_run  # noqa: E402
 from conftest import make_batch, tiny_model  # noqa: E402
 from mpedu.course import PipelineExplorer, Refusal, SCHEDULES, dealt, far_from_prediction  # noqa: E402
 from mpedu.runtime import LINKS  # noqa: E402
@@ -144,7 +145,9 @@ def test_every_device_count_and_micro_batch_count_the_sliders_offer_is_accepted(
 
 
 def test_every_schedule_in_the_menu_accepts_some_placement(explorer):
-    for key in SCHEDULES:
+    menu = [key for _, key in explorer.schedule_menu.options]
+    assert set(SCHEDULES) < set(menu) and {"zbv", "dualpipev"} <= set(menu)    # the V shapes too
+    for key in menu:
         explorer.schedule_menu.value = key
         if explorer.predicted is None:                  # interleaved: the refusal offers the placement it needs
             explorer.fix_button.click()
@@ -193,7 +196,7 @@ def test_random_boards_are_accepted_or_refused_in_the_widgets_words(explorer):
         p = rng.randint(1, len(layers))
         explorer.device_count.value = p
         explorer.board.assignment = {name: f"vgpu:{rng.randrange(p)}" for name in layers}
-        explorer.schedule_menu.value = rng.choice(list(SCHEDULES))
+        explorer.schedule_menu.value = rng.choice([key for _, key in explorer.schedule_menu.options])
         explorer.micro_batches.value = rng.choice(explorer.micro_batches.options)
         try:
             explorer._check()
@@ -373,13 +376,14 @@ def test_stop_stops_between_steps(explorer):
     assert f"stopped after {explorer.progress.value} of 500 steps" in explorer.run_status.value
 
 
-def test_a_failing_run_reports_in_the_widget():
-    model = tiny_model(num_layers=2, embed_size=64, tie_weights=True)   # embed and decode share one weight
-    explorer = PipelineExplorer(model, make_batch(T=T, B=B), devices=2, micro_batches=M, costs=fixed_costs(model))
+def test_a_failing_run_reports_in_the_widget(explorer, monkeypatch):
+    def fails(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+    monkeypatch.setattr(explorer_run, "step", fails)           # the training step the Run button calls
     explorer.run()
     explorer.wait(timeout=60)
-    assert "tied weights" in explorer.run_status.value and "Traceback" not in explorer.run_status.value
-    assert not explorer.running and not explorer.board.locked
+    assert "the device fell over" in explorer.run_status.value and "Traceback" not in explorer.run_status.value
+    assert not explorer.running and not explorer.board.locked and explorer.losses == []
 
 
 def test_the_constructor_reads_a_slowed_link_and_refuses_what_its_controls_cannot_show():
@@ -428,3 +432,73 @@ def test_1f1b_on_stages_dealt_in_turn_is_said_to_run_interleaved(explorer):
     explorer.placement = "embed,lstm0:vgpu0 | lstm1:vgpu1 | lstm2:vgpu0 | decode:vgpu1"     # 4 stages, in turn
     assert explorer.schedule_menu.value == "1f1b" and {e.stage for e in explorer.predicted.compute()} == {0, 1, 2, 3}
     assert "1F1B on stages dealt to the devices in turn runs as interleaved 1F1B" in text(explorer.note.value)
+
+
+def test_unequal_micro_batch_sizes_are_predicted_drawn_and_run(explorer):
+    equal = explorer.predicted.makespan
+    explorer.sizes.value = "1,3,3,1"                    # small first and last: a shorter fill and drain
+    assert explorer.predicted.micro_batch_sizes == (1, 3, 3, 1) and explorer.predicted.makespan != equal
+    first = {e.mb: e.duration for e in explorer.predicted.compute("vgpu:0") if e.kind == "F"}
+    assert first[1] > 2 * first[0]                      # 3 sequences' forward takes longer than 1 sequence's
+    assert "the same 4 micro-batches (of 1, 3, 3, 1 sequences)" in text(explorer.figure_line.value)
+    assert "micro-batch 0 holds 1 sequence, 1 holds 3" in explorer.timeline.legend["labels"]
+    assert "1 sequence" in explorer.timeline.panels[0]["boxes"][0][7]                # the box's words on hover
+    assert json.loads(explorer.state_file.read_text())["figures"]["micro_batch_sizes"] == [1, 3, 3, 1]
+    explorer.wait(timeout=60)                           # widths 1 and 3 measured in the background
+    assert {(T, 1), (T, 3)} <= set(explorer._costs) and not explorer.figures["estimated"]
+    explorer.run(steps=2)
+    explorer.wait(timeout=60)
+    assert "step 2/2" in explorer.run_status.value and explorer.measured.micro_batch_sizes == (1, 3, 3, 1)
+    explorer.sizes.value = "2,6"                        # 2 sizes: the slider follows where it can
+    assert explorer.micro_batches.value == 2 and explorer.predicted.micro_batch_sizes == (2, 6)
+    explorer.sizes.value = "2,3,3"                      # 3 micro-batches: no slider position, the box rules
+    assert explorer.micro_batches.value == 2 and len({e.mb for e in explorer.predicted.compute()}) == 3
+    explorer.micro_batches.value = 4                    # the slider means equal micro-batches: the box empties
+    assert explorer.sizes.value == "" and explorer.predicted.micro_batch_sizes is None
+    explorer.wait(timeout=60)
+
+
+@pytest.mark.parametrize("sizes, words", [
+    ("1,3,3", "sizes 1, 3, 3 add up to 7 sequences, but the batch holds 8: make them add up to 8"),
+    ("1,x,3,3", "sizes: “x” is not a number of sequences"),
+    ("0,4,4", "every micro-batch needs at least 1 sequence"),
+])
+def test_sizes_that_cannot_split_the_batch_are_refused_with_a_way_back_to_equal(explorer, sizes, words):
+    explorer.sizes.value = sizes
+    assert words in text(explorer.message.value) and explorer.predicted is None and explorer.run_button.disabled
+    assert explorer.fix_button.description == "use equal micro-batches"
+    explorer.fix_button.click()
+    assert explorer.sizes.value == "" and explorer.predicted is not None
+
+
+def test_a_plan_with_unequal_sizes_and_the_constructor_fill_the_sizes_box():
+    from mpedu.predict import Candidate
+    model = tiny_model(num_layers=3)
+    ex = PipelineExplorer(model, make_batch(T=T, B=B), micro_batches=[2, 4, 2], costs=fixed_costs(model))
+    assert ex.sizes.value == "2,4,2" and ex.predicted.micro_batch_sizes == (2, 4, 2)
+    assert repr(ex).endswith("micro_batches=[2,4,2])")
+    ex.apply(Candidate(Placement.even(model, 2), "1f1b", 4, 1, None, 0.01, (1, 1), True, (1, 3, 3, 1)))
+    assert ex.sizes.value == "1,3,3,1" and ex.micro_batches.value == 4 and ex.schedule_menu.value == "1f1b"
+    assert ex.predicted.micro_batch_sizes == (1, 3, 3, 1)
+    ex.wait(timeout=60)
+    with pytest.raises(ValueError, match="add up to 10 sequences, but the batch holds 8"):
+        PipelineExplorer(model, make_batch(T=T, B=B), micro_batches=[4, 6], costs=fixed_costs(model))
+
+
+def test_the_memory_shown_for_unequal_micro_batches_is_what_a_v_step_holds(tmp_path):
+    """Each micro-batch holds its own width's activations: the board's memory figures, from the widths the explorer
+    measured, are the step's, on a V of ZB-V (2 stages a device) as on any."""
+    from mpedu.core import Pipeline
+    from mpedu.predict import memory_estimate, profile
+    model, batch = tiny_model(num_layers=3), make_batch(T=T, B=B)
+    ex = PipelineExplorer(model, batch, devices=2, schedule="zbv", micro_batches=[1, 3, 3, 1],
+                          costs=profile(model, batch, micro_batches=M, warmup=0, repeats=1))
+    ex.wait(timeout=120)                                # widths 1 and 3, measured in the background
+    assert not ex.figures["estimated"] and ex.placement.stage_devices == [0, 1, 1, 0]
+    shown = ex.figures["memory_bytes"]
+    with Pipeline(model, ex.placement, "zbv", micro_batches=[1, 3, 3, 1]) as pipe:
+        held = memory_estimate(pipe, batch)
+        timeline = pipe.train_step(batch).timeline
+    for f in held:
+        assert f.activations == pytest.approx(timeline.peak_memory(f.device), rel=0.05)
+        assert shown[f.device] == pytest.approx(f.total, rel=0.05), (f.device, shown, f)

@@ -24,10 +24,13 @@ function render({ model, el }) {
     // A redraw replaces the chips, and with them the keyboard focus: a chip that had it gets it back, on
     // every redraw (the move itself, then the kernel's new notes), so the next arrow press works too.
     const focused = el.contains(document.activeElement) ? document.activeElement.dataset.layer : null;
-    const [layers, devices, a, costs, notes, locked] =
-      ["layers", "devices", "assignment", "layer_notes", "device_notes", "locked"].map((n) => model.get(n));
-    const stageOf = {};                   // a run of neighbouring layers on one device is a stage
-    layers.forEach((l, i) => { stageOf[l] = i && stageOf[layers[i - 1]] + (a[l] !== a[layers[i - 1]]); });
+    const [layers, devices, a, cuts, costs, notes, locked] =
+      ["layers", "devices", "assignment", "cuts", "layer_notes", "device_notes", "locked"].map((n) => model.get(n));
+    // a run of neighbouring layers on one device is a stage; a cut starts another on the same device (the V's turn)
+    const stageOf = {};
+    layers.forEach((l, i) => {
+      stageOf[l] = i && stageOf[layers[i - 1]] + (a[l] !== a[layers[i - 1]] || cuts.includes(l));
+    });
     el.replaceChildren();
     el.classList.add("mpedu-board");
     el.classList.toggle("mpedu-locked", locked);
@@ -86,7 +89,7 @@ function render({ model, el }) {
     if (focused) el.querySelector(`[data-layer="${focused}"]`)?.focus({ preventScroll: true });
   };
   const redraw = () => { if (dragged) stale = true; else draw(); };
-  const names = ["layers", "devices", "assignment", "layer_notes", "device_notes", "locked"];
+  const names = ["layers", "devices", "assignment", "cuts", "layer_notes", "device_notes", "locked"];
   names.forEach((n) => model.on(`change:${n}`, redraw));
   draw();
   return () => names.forEach((n) => model.off(`change:${n}`, redraw));
@@ -121,13 +124,16 @@ BOARD_CSS = """
 
 
 class LayerBoard(anywidget.AnyWidget):
-    """One column per device holding draggable layer chips; `assignment` (layer -> device) is what Python reads."""
+    """One column per device holding draggable layer chips; `assignment` (layer -> device) is what Python reads.
+    `cuts` (set by Python): layers that start a stage although the layer before sits on the same device, as in the
+    V of ZB-V, where the last device holds the two middle stages (Placement.cuts)."""
 
     _esm = BOARD_ESM
     _css = BOARD_CSS
     layers = traitlets.List(traitlets.Unicode()).tag(sync=True)       # model order
     devices = traitlets.List(traitlets.Unicode()).tag(sync=True)      # one column each, empty ones too
     assignment = traitlets.Dict().tag(sync=True)                      # layer name -> device name
+    cuts = traitlets.List(traitlets.Unicode()).tag(sync=True)         # layers starting a stage on the same device
     layer_notes = traitlets.Dict().tag(sync=True)                     # layer -> short text on its chip
     device_notes = traitlets.Dict().tag(sync=True)                    # device -> {"text", "fill" 0..1}
     locked = traitlets.Bool(False).tag(sync=True)                     # True while a run trains

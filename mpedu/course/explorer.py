@@ -9,30 +9,35 @@ import threading
 import ipywidgets as w
 
 from ..core.placement import Placement
-from ..predict.costcurve import CostCurve
 from ..predict.footprint import device_footprints
-from ..predict.profiling import profile
 from ..predict.simulator import simulate
 from ..runtime.devices import get_device, get_devices
 from ..runtime.link import LINKS
-from ..runtime.streams import chunk_bounds
 from .bestplans import BestPlans
 from .board import LayerBoard
+from .explorer_board import BoardFollows
+from .explorer_costs import MeasuredCosts, layer_notes, sizes_words
 from .explorer_run import RealSteps
 from .explorer_run import error_html as _error
-from .refusals import check
+from .layout import SCHEDULE_MENU, kept_cuts, tied_layers
+from .refusals import check, example_sizes, read_sizes
 from .stepper import StepThrough
 from .timeline_view import TimelineView
-from .wording import RECOMPUTE, SCHEDULES, SLOWDOWNS, cost_note, link_label, plural, sequences
+from .wording import RECOMPUTE, SLOWDOWNS, link_label, plural
 
 
-class PipelineExplorer(RealSteps, w.VBox):
+class PipelineExplorer(BoardFollows, MeasuredCosts, RealSteps, w.VBox):
     """Place layers on devices by dragging, pick a schedule, micro-batches and a link, and see the predicted
     step at once; Run trains a few real steps (SGD: it updates the model) and draws them under the prediction.
 
         explorer = PipelineExplorer(model, batch, devices=2, schedule="gpipe", micro_batches=4)
         explorer                      # the last line of a cell shows it
         explorer.placement            # the board as a Placement (None while it is refused); assignable
+
+    The V-shape schedules (ZB-V, DualPipeV) lay the layers out as a V when picked: 2 stages a device, the first
+    device holding the first and the last stage (so tied embed and decode weights are allowed). The "sizes" box
+    beside the micro-batch slider takes unequal micro-batches ("8,16,24,16", adding up to the batch width;
+    micro_batches=[8, 16, 24, 16] fills it); empty, the slider's equal ones.
 
     Costs come from `profile`, measured once per micro-batch shape (pass `costs`, one or a list, to reuse
     yours). A new micro-batch size is first drawn from the nearest measured size, scaled per sequence, while its
@@ -45,15 +50,25 @@ class PipelineExplorer(RealSteps, w.VBox):
     `memory_cap` (bytes or "40MB" per device; a box there changes it), each one click from the board.
     """
 
-    def __init__(self, model, batch, devices: int | list = 2, schedule: str = "gpipe", micro_batches: int = 4,
+    def __init__(self, model, batch, devices: int | list = 2, schedule: str = "gpipe", micro_batches: int | list = 4,
                  chunks: int = 2, costs=None, steps: int = 5, link: str = "shared", slowdown: int = 1,
                  state_file=None, recompute: str | None = None, memory_cap=None):
         T, B = batch.inputs.shape
+        options = [m for m in range(1, B + 1) if B % m == 0]
+        sizes = None
+        if isinstance(micro_batches, (list, tuple)):      # unequal sizes: the box holds them
+            try:
+                sizes = read_sizes(",".join(map(str, micro_batches)), B)
+            except ValueError as error:
+                raise ValueError(f"micro_batches={list(micro_batches)}: {error}") from None
+            if not sizes:
+                raise ValueError(f"micro_batches=[]: give a count such as 4, or sizes adding up to {B}")
+            micro_batches = min(options, key=lambda k: (abs(k - len(sizes)), k))   # the slider as near as it goes
         if B % micro_batches:
             raise ValueError(f"micro_batches={micro_batches} does not divide the batch size {B}; "
-                             f"use one of {[m for m in range(1, B + 1) if B % m == 0]}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+                             f"use one of {options}, or a list of sizes adding up to {B}")
+        if schedule not in SCHEDULE_MENU:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_MENU)}")
         if (recompute or "none") not in RECOMPUTE:
             raise ValueError(f"unknown recompute {recompute!r}; choose None, 'all' or 'all-but-last'")
         if isinstance(link, str) and "/" in link:        # "10gbe/100", as Link.parse writes a slowed preset
@@ -85,17 +100,23 @@ class PipelineExplorer(RealSteps, w.VBox):
         self._measured_title = ""
         L = len(model.layer_names)
         names = [d.name for d in (get_devices(devices) if isinstance(devices, int) else map(get_device, devices))]
-        start = Placement.even(model, names)
+        self._tied = tied_layers(model)                   # layers sharing a weight must share a device
+        start = self._layout(names, schedule)
 
         wide = {"style": {"description_width": "initial"}, "continuous_update": False}   # redraw on release
-        self.board = LayerBoard(layers=model.layer_names, devices=names,
-                                assignment={k: v.name for k, v in start.assignment.items()})
+        self.board = LayerBoard(layers=model.layer_names, devices=names, assignment={k: v.name for k, v in
+                                                                                    start.assignment.items()},
+                                cuts=sorted(start.cuts, key=model.layer_names.index))
         # every device needs a layer: the slider offers no count that is always refused
         self.device_count = w.IntSlider(len(names), 1, L, description="devices", **wide)
-        self.micro_batches = w.SelectionSlider(options=[m for m in range(1, B + 1) if B % m == 0],
-                                               value=micro_batches, description="micro-batches", **wide)
+        self.micro_batches = w.SelectionSlider(options=options, value=micro_batches, description="micro-batches",
+                                               **wide)
+        self.sizes = w.Text(",".join(map(str, sizes or ())), description="sizes",
+                            placeholder=f"equal; or e.g. {example_sizes(B)}",
+                            tooltip=f"unequal micro-batches: sequences each, adding up to {B}; empty: equal ones",
+                            style=wide["style"], continuous_update=False, layout=w.Layout(width="19em"))
         menu = {"style": wide["style"], "layout": w.Layout(width="max-content")}   # never cut the longest name
-        self.schedule_menu = w.Dropdown(options=[(text, key) for key, text in SCHEDULES.items()], value=schedule,
+        self.schedule_menu = w.Dropdown(options=[(text, key) for key, text in SCHEDULE_MENU.items()], value=schedule,
                                         description="schedule", **menu)
         self.chunks = w.IntSlider(chunks, 1, most_chunks, description="time chunks (wavefront only)",
                                   **wide)
@@ -124,10 +145,12 @@ class PipelineExplorer(RealSteps, w.VBox):
         self.stop_button = w.Button(description="Stop", icon="stop", disabled=True)
         self.progress = w.IntProgress(0, 0, steps, description="trained", layout=w.Layout(display="none"))
 
-        self.board.observe(self._update, ["assignment", "devices"])
-        for control in (self.micro_batches, self.schedule_menu, self.chunks, self.link_menu, self.slowdown,
-                        self.recompute_menu):
+        self.board.observe(self._board_changed, ["assignment", "devices", "cuts"])
+        for control in (self.chunks, self.link_menu, self.slowdown, self.recompute_menu):
             control.observe(self._update, "value")
+        self.schedule_menu.observe(self._schedule_picked, "value")
+        self.micro_batches.observe(self._slider_moved, "value")
+        self.sizes.observe(self._sizes_typed, "value")
         self.device_count.observe(self._resize, "value")
         # every redraw of the timeline (a prediction, a run's step, a refusal) is one for the step-through
         self.timeline.observe(self._restep, "revision")
@@ -135,7 +158,7 @@ class PipelineExplorer(RealSteps, w.VBox):
         self.fix_button.on_click(lambda _: self._fix and self._apply_fix())
         self.run_button.on_click(lambda _: self.run())
         self.stop_button.on_click(lambda _: self.stop())
-        super().__init__([self.board, w.HBox([self.device_count, self.micro_batches]),
+        super().__init__([self.board, w.HBox([self.device_count, self.micro_batches, self.sizes]),
                           w.HBox([self.schedule_menu, self.chunks]), w.HBox([self.link_menu, self.slowdown]),
                           self.recompute_menu,
                           self.message, self.fix_button, self.figure_line, self.note, self.timeline,
@@ -146,8 +169,9 @@ class PipelineExplorer(RealSteps, w.VBox):
         self._update()
 
     def __repr__(self) -> str:   # short and free of widget ids: notebooks save it as the text/plain output
-        return (f"PipelineExplorer({self.placement or 'refused placement'}, schedule={self.schedule_menu.value}, "
-                f"micro_batches={self.micro_batches.value})")
+        m = self.sizes.value.strip() and f"[{self.sizes.value.strip()}]" or self.micro_batches.value
+        return f"PipelineExplorer({self.placement or 'refused placement'}, schedule={self.schedule_menu.value}, " \
+               f"micro_batches={m})"
 
     # -- the board ----------------------------------------------------------------------
     @property
@@ -166,7 +190,8 @@ class PipelineExplorer(RealSteps, w.VBox):
         if not isinstance(placement, Placement):
             placement = (Placement.parse if isinstance(placement, str) else Placement.from_dict)(placement, self.model)
         names = sorted({d.name for d in placement.devices}, key=lambda n: (len(n), n))   # vgpu:2 before vgpu:10
-        self._set_board(names, {k: v.name for k, v in placement.assignment.items()}, menus)
+        self._set_board(names, {k: v.name for k, v in placement.assignment.items()}, menus,
+                        sorted(placement.cuts, key=placement.layer_names.index))
 
     @property
     def recompute(self) -> str | None:
@@ -181,97 +206,48 @@ class PipelineExplorer(RealSteps, w.VBox):
 
     def apply(self, plan) -> None:
         """Show a planner's plan (mpedu.predict.planner.Candidate, a row of the best plans): its placement, schedule,
-        micro-batches, time chunks and recomputation, all set together and drawn once."""
+        micro-batches (its unequal sizes in the sizes box), time chunks and recomputation, set together, drawn once."""
         chunks = [(self.chunks, plan.chunks)] if plan.chunks > 1 else []   # other schedules ignore the slider
-        self._place(plan.placement, [(self.schedule_menu, plan.schedule), (self.micro_batches, plan.micro_batches),
+        sizes = getattr(plan, "micro_batch_sizes", None)
+        slider = [(self.micro_batches, plan.micro_batches)] if plan.micro_batches in self.micro_batches.options else []
+        self._place(plan.placement, [(self.schedule_menu, plan.schedule), *slider,
+                                     (self.sizes, ",".join(map(str, sizes)) if sizes else ""),
                                      (self.recompute_menu, plan.recompute or "none"), *chunks])
 
-    def _set_board(self, devices: list[str], assignment: dict, menus=()) -> None:
-        """Change columns, chips and device count together (and any (control, value) in `menus`), then redraw once."""
+    def _set_board(self, devices: list[str], assignment: dict, menus=(), cuts=()) -> None:
+        """Change columns, chips, stage cuts and device count together (and any (control, value) in `menus`), then
+        redraw once."""
         self._quiet = True
         try:
             self.board.devices, self.board.assignment, self.device_count.value = devices, assignment, len(devices)
+            self.board.cuts = kept_cuts(self.model.layer_names, assignment, cuts)
             for control, value in menus:
                 control.value = value
         finally:
             self._quiet = False
         self._update()
 
-    def _resize(self, change) -> None:
-        """A new device count splits the layers evenly (as many on each device); drag to rebalance."""
-        if self._quiet:
-            return
-        names = [d.name for d in get_devices(change["new"])]
-        self._set_board(names, {k: v.name for k, v in Placement.even(self.model, names).assignment.items()})
-
     def _check(self):
-        """(placement, schedule) for the current choices, or a Refusal in the words on screen (mpedu.course.refusals)."""
-        name = self.schedule_menu.value
-        return check(self.model.layer_names, self.board.devices, self.board.assignment, name, SCHEDULES[name],
-                     self.micro_batches.value, self.chunks.value, self.batch.inputs.shape[1])
+        """(placement, schedule, sizes) for the current choices (sizes None: equal micro-batches), or a Refusal in the
+        words on screen (mpedu.course.refusals)."""
+        name, B = self.schedule_menu.value, self.batch.inputs.shape[1]
+        sizes = read_sizes(self.sizes.value, B)
+        placement, schedule = check(self.model.layer_names, self.board.devices, self.board.assignment, name,
+                                    SCHEDULE_MENU[name], self.micro_batches.value, self.chunks.value, B,
+                                    cuts=self.board.cuts, sizes=sizes, tied=self._tied)
+        return placement, schedule, sizes
 
     def _apply_fix(self) -> None:
-        """What the refusal's button says: another schedule, the layers dealt in turn, or another micro-batch count."""
+        """What the refusal's button says: another schedule, a placement (dealt in turn, a V), another micro-batch
+        count, or equal micro-batches."""
         _, setting, value = self._fix
         if setting == "placement":
             self.placement = value
         else:
-            {"schedule": self.schedule_menu, "micro_batches": self.micro_batches}[setting].value = value
+            {"schedule": self.schedule_menu, "micro_batches": self.micro_batches, "sizes": self.sizes}[setting].value \
+                = value
 
     # -- prediction ---------------------------------------------------------------------
-    def _costs_for(self, m: int, device):
-        """(costs, measured): the layers' costs on micro-batches of B/m sequences. Not measured yet: the nearest
-        measured size scaled per sequence now, and a background measurement that redraws when it is done."""
-        T, B = self.batch.inputs.shape
-        key = (T, B // m)
-        if key in self._costs:
-            return self._costs[key], True
-        if not self._costs:                                # nothing to start from: measure now, once
-            self.message.value = f"measuring the layers on micro-batches of {sequences(B // m)} (once)…"
-            with self._model_lock:
-                self._costs[key] = profile(self.model, self.batch, device, micro_batches=m, warmup=1, repeats=3)
-            return self._costs[key], True
-        if m not in self._measuring:
-            thread = threading.Thread(target=self._measure, args=(m, device), daemon=True,
-                                      name=f"mpedu-explorer-measure-{m}")
-            self._measuring[m] = thread
-            thread.start()
-        nearest = min(self._costs.values(), key=lambda c: abs(c.micro_batch[1] - B // m))
-        return CostCurve([nearest], []).at(T, B // m), False    # scaled per sequence (small ones cost more)
-
-    def _memory_costs(self, schedule, costs):
-        """`costs` with the bytes of time chunks as measured (CostCurve.at over weighed chunk lengths, as the best
-        plans read them): a chunk saves more than its share of the whole sequence (its state comes in), and T not a
-        multiple of the chunk count gives two lengths. Weighing runs the model once per shape; while a run holds
-        the model, the footprint takes each chunk as its share until the next redraw."""
-        if schedule.chunks == 1:
-            return costs
-        T, B = self.batch.inputs.shape
-        curve, b = CostCurve([costs], [], self._weighed), B // schedule.micro_batches
-        missing = {(hi - lo, b) for lo, hi in chunk_bounds(T, schedule.chunks)} - set(self._weighed)
-        if missing:
-            if not self._model_lock.acquire(blocking=False):
-                return costs
-            try:
-                curve.weigh(self.model, missing, costs.device)
-            finally:
-                self._model_lock.release()
-        return curve.at(T, b, schedule.chunks)
-
-    def _measure(self, m: int, device) -> None:
-        T, B = self.batch.inputs.shape
-        try:
-            with self._model_lock:                         # waits for a run to end
-                costs = profile(self.model, self.batch, device, micro_batches=m, warmup=1, repeats=3)
-            self._costs[T, B // m] = costs
-        except Exception as error:                         # shown in the widget, never as a traceback
-            self.note.value = _error(f"could not measure micro-batches of {sequences(B // m)}: {error}")
-            return
-        finally:
-            self._measuring.pop(m, None)
-        if self.micro_batches.value == m and not self.running:
-            self._update()
-
     def _update(self, *_, keep_run: bool = False) -> None:
         """Check, simulate, redraw. Runs on every change, so it must stay fast (a few ms of Python).
         keep_run: the last run's measured step stays beside the new prediction (its costs were measured since)."""
@@ -292,9 +268,10 @@ class PipelineExplorer(RealSteps, w.VBox):
                 self.measured, self.run_status.value = None, ""
                 self.progress.layout.display = "none"
             try:
-                placement, schedule = self._check()
-                costs, measured = self._costs_for(schedule.micro_batches, placement.devices[0])
-                self.predicted = simulate(schedule, costs, placement, link=self.link, recompute=self.recompute)
+                placement, schedule, sizes = self._check()
+                costs, measured = self._step_costs(schedule.micro_batches, sizes, placement.devices[0])
+                self.predicted = simulate(schedule, costs, placement, micro_batches=sizes and list(sizes),
+                                          link=self.link, recompute=self.recompute)
             except ValueError as error:
                 self.predicted, self.figures, self._fix = None, {}, getattr(error, "fix", None)
                 self.message.value, self.figure_line.value, self.note.value = _error(error), "", ""
@@ -304,7 +281,7 @@ class PipelineExplorer(RealSteps, w.VBox):
                 self.best_plans.compare()
             else:
                 self._fix = None
-                self._describe(placement, schedule, costs, measured)
+                self._describe(placement, schedule, sizes, costs, measured)
                 self.message.value = f"placement: <code>{html.escape(str(placement))}</code>"
                 shown = ([self.predicted], [self._title(self.predicted, self._kind_of_prediction())])
                 if self.measured is not None:               # keep_run: the run's last step beside it
@@ -312,10 +289,12 @@ class PipelineExplorer(RealSteps, w.VBox):
                     shown[1].append(self._measured_title)
                 self.timeline.show(*shown)
                 self.timeline.layout.display, self.run_button.disabled = None, self.running
-                choice = (str(placement), schedule.name, schedule.micro_batches, schedule.chunks, self.recompute)
+                # (unequal sizes in the micro-batches' place: no row of equal ones is taken for the learner's)
+                choice = (str(placement), schedule.name, sizes or schedule.micro_batches, schedule.chunks,
+                          self.recompute)
                 self.best_plans.compare(choice, self.predicted.makespan, max(self.figures["memory_bytes"].values()))
             # a no-op unless the devices, link, cap or measured costs changed: the planner does not run per drag
-            self.best_plans.refresh(self.board.devices, self.link, list(self._costs.values()))
+            self.best_plans.refresh(self.board.devices, self.link, self._plan_costs())
             self.fix_button.description = self._fix[0] if self._fix else ""
             self.fix_button.layout.display = None if self._fix else "none"
             self._redraws += 1
@@ -342,25 +321,28 @@ class PipelineExplorer(RealSteps, w.VBox):
     def _title(t, name: str) -> str:
         return f"{name}: {t.makespan * 1e3:.1f} ms, bubble {t.bubble_fraction:.0%}"
 
-    def _describe(self, placement, schedule, costs, measured: bool) -> None:
-        """The line of figures, a note where the numbers need a word, and the numbers on the board."""
-        t = self.predicted
+    def _describe(self, placement, schedule, sizes, costs, measured: bool) -> None:
+        """The line of figures, a note where the numbers need a word, and the numbers on the board. `costs`: a
+        per-layer Costs, or with `sizes` (unequal micro-batches) a list of them, one per micro-batch."""
+        t, m = self.predicted, schedule.micro_batches
         one = simulate("naive", costs, Placement.single(self.model, placement.devices[0]),
-                       micro_batches=schedule.micro_batches)
+                       micro_batches=list(sizes) if sizes else m)
         # weights, gradients and the activations at the schedule's peak: the one memory model (SGD keeps no state)
-        memory = {f.device: f.total for f in device_footprints(self._memory_costs(schedule, costs), placement,
-                                                               schedule, self.recompute)}
+        each = [self._memory_costs(schedule, c) for c in costs] if sizes else None
+        memory = {f.device: f.total for f in device_footprints(
+            each[0] if sizes else self._memory_costs(schedule, costs), placement, schedule, self.recompute,
+            micro_batch_costs=each)}
         self.figures = f = {"makespan_s": t.makespan, "bubble": t.bubble_fraction, "speedup": one.makespan / t.makespan,
                             "transfers": len(t.transfers()), "bytes_moved": t.bytes_moved,
-                            "stages": len(placement.stages), "memory_bytes": memory, "estimated": not measured}
-        m = schedule.micro_batches
+                            "stages": len(placement.stages), "memory_bytes": memory, "estimated": not measured,
+                            "micro_batch_sizes": list(sizes) if sizes else None}
         self.figure_line.value = (
             f"{self._kind_of_prediction()} <b>{f['makespan_s'] * 1e3:.1f} ms</b> · "
             f"bubble <b>{f['bubble']:.0%}</b> · <b>{f['speedup']:.2f}×</b> the speed of one device doing the same "
-            f"{m} micro-batch{'es' if m > 1 else ''} · <b>{f['transfers']}</b> transfers "
+            f"{sizes_words(sizes or [self.batch.inputs.shape[1] // m] * m)} · <b>{f['transfers']}</b> transfers "
             f"({f['bytes_moved'] / 1e6:.1f} MB) · {plural(f['stages'], 'stage')} on "
             f"{plural(len(t.devices), 'device')}")
-        self.note.value = cost_note(costs, self._costs.values(), measured)
+        self.note.value = self._cost_words(costs, measured)
         if self.schedule_menu.value == "1f1b" and schedule.name == "interleaved":     # the menu said 1F1B
             self.note.value += (" 1F1B on stages dealt to the devices in turn runs as <b>interleaved 1F1B</b>: each "
                                 "device alternates between its stages, which is what interleaving is.")
@@ -368,8 +350,7 @@ class PipelineExplorer(RealSteps, w.VBox):
         self.board.device_notes = {d: {"text": f"busy {t.busy(d) * 1e3:.0f} ms of {t.makespan * 1e3:.0f}\n"
                                                f"memory {memory[d] / 1e6:.1f} MB", "fill": memory[d] / top}
                                    for d in t.devices}
-        self.board.layer_notes = {name: f"{(fw + bw) * 1e3:.1f} ms"
-                                  for name, fw, bw in zip(costs.names, costs.forward, costs.backward)}
+        self.board.layer_notes = layer_notes(costs)
 
     def _save_state(self) -> None:
         """What Python sees, as JSON (written whole, then renamed: a reader never sees half a file)."""
@@ -378,7 +359,8 @@ class PipelineExplorer(RealSteps, w.VBox):
             state = {"placement": placement and str(placement), "assignment": self.board.assignment,
                      "devices": self.board.devices, "schedule": self.schedule_menu.value,
                      "recompute": self.recompute_menu.value,
-                     "micro_batches": self.micro_batches.value, "figures": self.figures, "redraws": self._redraws,
+                     "micro_batches": self.micro_batches.value, "sizes": self.sizes.value, "cuts": self.board.cuts,
+                     "figures": self.figures, "redraws": self._redraws,
                      "message": self.message.value, "progress": self.progress.value, "losses": self.losses,
                      "running": self.running, "runs": self._runs, "revision": self.timeline.revision,
                      "link": self.link_menu.value, "measuring": sorted(self._measuring)}

@@ -25,20 +25,20 @@ class RealSteps:
         with self._update_lock:      # a measurement that ends meanwhile redraws before this, or after the run
             if self.running or self.predicted is None:
                 return
-            placement, schedule = self._check()
+            placement, schedule, sizes = self._check()
             steps, cores = steps or self.steps, len(usable_cores())
             # more virtual devices than cores take turns on them: say what to expect here, next to the prediction
             shared = all(d.virtual for d in placement.devices) and len(placement.devices) > cores
-            costs, _ = self._costs_for(schedule.micro_batches, placement.devices[0])
-            here = (simulate(schedule, costs, placement, cores=cores, link=self.link, recompute=self.recompute)
-                    if shared else None)
+            costs, _ = self._step_costs(schedule.micro_batches, sizes, placement.devices[0])
+            here = (simulate(schedule, costs, placement, micro_batches=sizes and list(sizes), cores=cores,
+                             link=self.link, recompute=self.recompute) if shared else None)
             self.running, self.losses, self._runs = True, [], self._runs + 1
             self._stop.clear()
             self._lock(True)
             self.progress.max, self.progress.value, self.run_status.value = steps, 0, "starting the devices…"
             self.progress.layout.display = None
             self._save_state()
-            self._thread = threading.Thread(target=self._train, args=(placement, schedule, here, steps, cores),
+            self._thread = threading.Thread(target=self._train, args=(placement, schedule, sizes, here, steps, cores),
                                             name="mpedu-explorer-run", daemon=True)
             self._thread.start()
 
@@ -60,16 +60,16 @@ class RealSteps:
                 break
         self.best_plans.wait(timeout)                      # last: a measurement that ends starts a search
 
-    def _train(self, placement, schedule, here, steps, cores) -> None:
+    def _train(self, placement, schedule, sizes, here, steps, cores) -> None:
         # the command line's step (mpedu.training.loop.step), with its learning rate and clipping, for a few steps
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer, done, predicted = torch.optim.SGD(params, lr=LR), 0, self.predicted
         spans = []                                       # each step's measured makespan
-        kind, estimated = self._kind_of_prediction(), self.figures.get("estimated")
+        kind, estimated, widths = self._kind_of_prediction(), self.figures.get("estimated"), self._widths()
         expect = (f" ({len(placement.devices)} devices take turns on {cores} cores here: about "
                   f"{here.makespan * 1e3:.0f} ms expected)" if here is not None else "")
         try:
-            with self._model_lock, Pipeline(self.model, placement, schedule, link=self.link,
+            with self._model_lock, Pipeline(self.model, placement, schedule, sizes and list(sizes), link=self.link,
                                             recompute=self.recompute) as pipe:
                 while done < steps and not self._stop.is_set():
                     result, stepped = step(pipe, optimizer, self.batch, clip=CLIP)
@@ -100,15 +100,14 @@ class RealSteps:
                 if self._changed_in_run:      # Python changed a choice meanwhile: draw the board as it is now
                     self._changed_in_run = False
                     self._update()
-                elif estimated and (self.batch.inputs.shape[0], self.batch.inputs.shape[1] // schedule.micro_batches) \
-                        in self._costs:       # the costs were measured meanwhile: predict from them, run kept
-                    self._update(keep_run=True)
+                elif estimated and all((self.batch.inputs.shape[0], b) in self._costs for b in widths):
+                    self._update(keep_run=True)   # the costs were measured meanwhile: predict from them, run kept
                 self._save_state()
 
     def _lock(self, on: bool) -> None:
         """While a run trains, the choices stay as they were when it started."""
-        for control in (self.device_count, self.micro_batches, self.schedule_menu, self.link_menu, self.run_button,
-                        self.fix_button, self.recompute_menu):
+        for control in (self.device_count, self.micro_batches, self.sizes, self.schedule_menu, self.link_menu,
+                        self.run_button, self.fix_button, self.recompute_menu):
             control.disabled = on
         self.chunks.disabled = on or self.schedule_menu.value != "wavefront"
         self.slowdown.disabled = on or not LINKS[self.link_menu.value].emulated

@@ -6,6 +6,7 @@ import traitlets
 from matplotlib.colors import to_hex, to_rgb
 
 from ..pictures.plot import IDLE_COLOUR, KIND_COLOURS, TRANSFER_COLOUR
+from .wording import sequences
 
 # The timeline, drawn in the browser as SVG from the events Python sends (a few kB of JSON): a PNG made by
 # matplotlib took most of a redraw's time. Python sends the colours and labels, so the two agree with plot.py.
@@ -71,12 +72,16 @@ function drawTimeline(el, panels, legend) {
                                class: "mpedu-tl-device" }, d));
         s.append(svg("rect", { x: x(0), y: top(r), width: x(p.end) - x(0), height: box, fill: legend.idle }));
       });
-      p.boxes.forEach(([r, t0, dt, fill, stroke, hatched, label], k) => {
+      p.boxes.forEach(([r, t0, dt, fill, stroke, hatched, label, tip], k) => {
         const bx = x(t0), bw = Math.max(x(t0 + dt) - bx, 0.8), at = { "data-panel": pi, "data-box": k };
-        s.append(svg("rect", { x: bx, y: top(r), width: bw, height: box, fill, stroke, "stroke-width": 0.6,
-                               ...at }));
-        if (hatched) s.append(svg("rect", { x: bx, y: top(r), width: bw, height: box, fill: `url(#${hatchId})`,
-                                            class: "mpedu-tl-hatch", ...at }));
+        const rects = [svg("rect", { x: bx, y: top(r), width: bw, height: box, fill, stroke, "stroke-width": 0.6,
+                                     ...at })];
+        if (hatched) rects.push(svg("rect", { x: bx, y: top(r), width: bw, height: box, fill: `url(#${hatchId})`,
+                                              class: "mpedu-tl-hatch", ...at }));
+        for (const rect of rects) {       // what the box is, on hover (its micro-batch's size, when they differ)
+          if (tip) rect.append(svg("title", {}, tip));
+          s.append(rect);
+        }
         if (bw >= 6.6 * label.length + 4) {
           s.append(svg("text", { x: bx + bw / 2, y: top(r) + box / 2 + 4, "text-anchor": "middle",
                                  class: "mpedu-tl-label", ...at }, label));
@@ -162,13 +167,16 @@ class TimelineView(anywidget.AnyWidget):
 
 
 def timeline_panel(timeline, title: str, end: float):
-    """One panel's data: boxes [row, start ms, length ms, fill, outline, hatched, label], transfers
-    [sender row, start ms, receiver row, arrival ms]; and the marks and kinds of label it uses."""
+    """One panel's data: boxes [row, start ms, length ms, fill, outline, hatched, label, tip (its words on hover)],
+    transfers [sender row, start ms, receiver row, arrival ms]; and the marks and kinds of label it uses (with
+    micro-batches of unequal size, ("sizes", their sizes) among the kinds: the legend names them)."""
     rows = {d: i for i, d in enumerate(timeline.devices)}
     compute = timeline.compute()
     held = _stages_held(timeline, compute)
     several, chunked = label_style(timeline, compute)
     order = {(d, s): k for d, stages in held.items() for k, s in enumerate(stages)}
+    sizes = timeline.micro_batch_sizes if timeline.micro_batch_sizes and len(set(timeline.micro_batch_sizes)) > 1 \
+        else None
     boxes, marks = [], {}
     for e in compute:
         if e.device not in rows:
@@ -177,8 +185,10 @@ def timeline_panel(timeline, title: str, end: float):
         fill, outline = _colours(e.kind, k)
         marks[e.kind, k] = fill
         label = box_label(e, several, chunked)
+        width = f", {sequences(sizes[e.mb])}" if sizes and e.mb < len(sizes) else ""
+        tip = f"{label}: stage {e.stage}, micro-batch {e.mb}{width}, {e.duration * 1e3:.2f} ms"
         boxes.append([rows[e.device], round(e.start * 1e3, 4), round(e.duration * 1e3, 4), fill, outline, k > 0,
-                      label])
+                      label, tip])
     transfers = [[rows[e.device], round(e.start * 1e3, 4), rows[e.peer], round(e.end * 1e3, 4)]
                  for e in timeline.transfers() if e.device in rows and e.peer in rows]
     if transfers:
@@ -186,6 +196,8 @@ def timeline_panel(timeline, title: str, end: float):
     kinds = {"stage"} if several else set()
     if chunked:
         kinds.add("chunk")
+    if sizes:
+        kinds.add(("sizes", tuple(sizes)))
     panel = {"title": title, "devices": list(timeline.devices), "end": round(end * 1e3, 4), "boxes": boxes,
              "transfers": transfers}
     return panel, marks, kinds
@@ -245,6 +257,10 @@ def _legend(marks: dict, kinds: set) -> dict:
     if "chunk" in kinds:
         words.append("“.1” is time chunk 1 of that micro-batch's sequences (wavefront)")
     words.append("B and W boxes read the same way; a label shows where the box is wide enough")
+    for sizes in sorted(k[1] for k in kinds if isinstance(k, tuple)):
+        each = [f"micro-batch 0 holds {sequences(sizes[0])}"] + [f"{mb} holds {b}" for mb, b in enumerate(sizes)][1:]
+        words.append(f"the micro-batches differ in size: {', '.join(each[:-1])} and {each[-1]}, and a wider one's "
+                     "boxes take longer")
     return {"marks": items, "labels": "; ".join(words) + ".", "idle": IDLE_COLOUR, "transfer": TRANSFER_COLOUR}
 
 
