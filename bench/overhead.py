@@ -24,6 +24,11 @@ Mailbox's naps), timed and replayed the same way. It is what two Python threads 
 near-empty work back and forth cost on this machine at that moment, mostly hand-overs of the
 interpreter lock; in this VM's slow phases it rises from ~8-10 to ~18-20 us itself, and mpedu's
 figures with it. `over_floor_us_per_action` is mpedu's 1F1B minus the floor, round by round.
+mpedu's step differs from the floor's harness in two ways it chose (mpedu.runtime.workers): the caller's thread
+plays the first device (CallerThread: two thread wake-ups a step fewer), and during a step the interpreter
+lock changes hands after 10 us instead of 5 ms (QuickSwitching: a receiver no longer waits for the sender's
+next long kernel). So the floor is also timed with that switch interval (`floor_quick_switch_us_per_action`,
+and mpedu's 1F1B over it, `over_quick_floor_us_per_action`): what the interval alone gives two bare threads.
 A run with more virtual devices than cores is printed too, apart
 (`us_per_action_oversubscribed`): its gaps also hold the time its threads wait
 for a free core and for Python's interpreter lock, which grows with the threads
@@ -42,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import finish, machine, pinned_workers, random_batch  # noqa: E402
 
-from mpedu.runtime import stop_workers, usable_cores  # noqa: E402
+from mpedu.runtime import STEP_SWITCH_S, stop_workers, usable_cores  # noqa: E402
 from mpedu.core import Pipeline, POLL_NAP_S, one_f_one_b, run_order  # noqa: E402
 from mpedu.lm import LSTMLM, LMConfig, nll_sum  # noqa: E402
 
@@ -66,7 +71,7 @@ def overhead_per_action(pipe, batch, repeats: int) -> tuple[float, float, int]:
     return statistics.median(samples), statistics.median(walls), len(tl.compute())
 
 
-def floor_per_action(model, batch, m: int, repeats: int, workers) -> float:
+def floor_per_action(model, batch, m: int, repeats: int, workers, switch_s: float | None = None) -> float:
     """The floor: `model`'s layers as two stages (embed, lstm0 | lstm1, decode) in 1F1B order on `workers`,
     each action only its layers' calls, each hand-off a dict entry the receiver polls for with the Mailbox's
     naps. Median over steps of (wall time - ideal replay of its own action times) / actions per device."""
@@ -115,9 +120,14 @@ def floor_per_action(model, batch, m: int, repeats: int, workers) -> float:
         ideal = max(end for *_, end in run_order(schedule, cost=lambda d, a: took[d, a]))
         return (wall - ideal) / len(schedule.actions[0])
 
-    for _ in range(3):
-        step()
-    return statistics.median(step() for _ in range(repeats))
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(switch_s or before)
+    try:
+        for _ in range(3):
+            step()
+        return statistics.median(step() for _ in range(repeats))
+    finally:
+        sys.setswitchinterval(before)
 
 
 RUNS = [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("zb1", 2), ("gpipe", 4)]
@@ -136,7 +146,7 @@ def main(argv=None):
     per_round = {}                        # name -> [us per action in each round]
     info = {}                             # name -> (actions, step wall times, more devices than cores)
     floor_workers = pinned_workers(["vgpu:0", "vgpu:1"])
-    floor = []
+    floor, quick = [], []
     try:
         for r in range(args.rounds):
             for schedule, placement in (RUNS if r % 2 == 0 else RUNS[::-1]):
@@ -146,6 +156,7 @@ def main(argv=None):
                     per_round.setdefault(name, []).append(per * 1e6)
                     info.setdefault(name, (actions, [], len(pipe.devices) > cores))[1].append(wall)
             floor.append(floor_per_action(model, batch, m, args.repeats, floor_workers) * 1e6)
+            quick.append(floor_per_action(model, batch, m, args.repeats, floor_workers, STEP_SWITCH_S) * 1e6)
     finally:
         stop_workers(floor_workers)
     print(f"near-empty stages (width 1, T=1), m={m}; overhead = (step wall time - ideal replay) / actions per "
@@ -157,15 +168,22 @@ def main(argv=None):
         rounds = ", ".join(f"{v:.1f}" for v in per_round[name])
         print(f"{name:<24}{actions:>9}{statistics.median(walls) * 1e3:>11.2f}{median[name]:>11.1f}  [{rounds}]{note}")
     over = [mpedu - bare for mpedu, bare in zip(per_round["1f1b, 2 device(s)"], floor)]
+    over_quick = [mpedu - bare for mpedu, bare in zip(per_round["1f1b, 2 device(s)"], quick)]
     print(f"{'floor (1f1b, bare)':<24}{4 * m:>9}{'':>11}{statistics.median(floor):>11.1f}  "
           f"[{', '.join(f'{v:.1f}' for v in floor)}]  two threads and nothing else; 1f1b over it: "
           f"{statistics.median(over):.1f} [{', '.join(f'{v:.1f}' for v in over)}]")
+    print(f"{'floor, switch 10 us':<24}{4 * m:>9}{'':>11}{statistics.median(quick):>11.1f}  "
+          f"[{', '.join(f'{v:.1f}' for v in quick)}]  the same, the lock changing hands as in mpedu's step; "
+          f"1f1b over it: {statistics.median(over_quick):.1f} [{', '.join(f'{v:.1f}' for v in over_quick)}]")
     own = [median[n] for n, i in info.items() if not i[2]]
     shared = [median[n] for n, i in info.items() if i[2]]
     finish("overhead", {"benchmark": "overhead", "micro_batches": m, "cores": cores, "rounds": args.rounds,
                         "us_per_action": max(own), "us_per_action_oversubscribed": max(shared) if shared else None,
                         "floor_us_per_action": statistics.median(floor),
                         "over_floor_us_per_action": statistics.median(over), "rounds_floor_us_per_action": floor,
+                        "rounds_over_floor_us_per_action": over,
+                        "floor_quick_switch_us_per_action": statistics.median(quick),
+                        "over_quick_floor_us_per_action": statistics.median(over_quick),
                         "runs": median, "rounds_us_per_action": per_round, "machine": machine()})
 
 

@@ -194,6 +194,7 @@ def test_a_pipeline_whose_second_device_cannot_start_ends_the_first(monkeypatch)
         return made[-1]
 
     monkeypatch.setattr(workers, "Worker", worker)
+    monkeypatch.setattr(workers, "own_cores", lambda devices: None)    # unpinned: vgpu:0 has a Worker too
     with pytest.raises(RuntimeError, match="could not start the worker of vgpu:1"):
         Pipeline(tiny_model(), "embed,lstm0:vgpu0 | lstm1-2,decode:vgpu1")
     assert len(made) == 1
@@ -232,3 +233,79 @@ def test_every_size_mpedu_writes_reads_back_as_a_memory_cap(nbytes):
     # "--memory-cap '12 bytes'" as a refusal printed it; above 999 bytes to the 3 digits written
     assert parse_size(format_size(nbytes)) == pytest.approx(nbytes, rel=5e-3)
     assert format_size(1) == "1 byte"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs an OS that pins threads and two cores")
+def test_the_first_of_two_pinned_devices_plays_on_the_callers_thread_and_gives_it_back_as_it_was():
+    """With a core each, the caller plays vgpu:0 itself (no wake-up for its worker at the start, none for the
+    caller at the end): pinned to vgpu:0's core, with a fine timer, torch on one thread and the interpreter lock
+    changing hands quickly during the step; all four as they were after it, an error's step included."""
+    from mpedu.core import Pipeline
+    cores = sorted(os.sched_getaffinity(0))
+    prctl = ctypes.CDLL(None).prctl
+    zero = ctypes.c_ulong(0)
+    before = (os.sched_getaffinity(0), prctl(PR_GET_TIMERSLACK, zero, zero, zero, zero), torch.get_num_threads(),
+              sys.getswitchinterval())
+    seen = {}
+    model = tiny_model(num_layers=2)
+    with Pipeline(model, "embed,lstm0:vgpu0 | lstm1,decode:vgpu1", "1f1b", 2) as pipe:
+        assert isinstance(pipe._workers[0], CallerThread) and isinstance(pipe._workers[1], Worker)
+        original = pipe.stages[0].forward
+
+        def noted(*args, **kwargs):
+            seen[threading.current_thread()] = (os.sched_getaffinity(0), prctl(PR_GET_TIMERSLACK, zero, zero, zero,
+                                                                                zero),
+                                                torch.get_num_threads(), sys.getswitchinterval())
+            return original(*args, **kwargs)
+        pipe.stages[0].forward = noted
+        pipe.train_step(make_batch())
+        assert seen == {threading.current_thread(): ({cores[0]}, 1, 1, pytest.approx(10e-6))}
+        assert (os.sched_getaffinity(0), prctl(PR_GET_TIMERSLACK, zero, zero, zero, zero), torch.get_num_threads(),
+                sys.getswitchinterval()) == before
+
+        def fail(*args, **kwargs):
+            raise ZeroDivisionError
+        pipe.stages[0].forward = fail
+        with pytest.raises(ZeroDivisionError):
+            pipe.train_step(make_batch())
+        assert (os.sched_getaffinity(0), prctl(PR_GET_TIMERSLACK, zero, zero, zero, zero), torch.get_num_threads(),
+                sys.getswitchinterval()) == before
+
+
+def test_quick_switching_holds_until_the_last_of_several_steps_at_once_ends():
+    from mpedu.runtime import QuickSwitching
+    before = sys.getswitchinterval()
+    first, second = QuickSwitching(), QuickSwitching()
+    with first:
+        assert sys.getswitchinterval() == pytest.approx(10e-6)
+        second.__enter__()
+    assert sys.getswitchinterval() == pytest.approx(10e-6)     # the second step still runs
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="Ctrl-C reaches the main thread")
+def test_a_receive_parked_on_the_main_thread_runs_a_ctrl_c_that_another_thread_received():
+    """The caller's thread may play a device; a Ctrl-C the kernel hands to another thread only flags the main
+    thread, which a receive parked without end would never look at. Parked in slices, it does, within one."""
+    import signal
+    from mpedu.core import Mailbox
+    mailbox = Mailbox()
+    key = ("act", 1, 0, 0)
+    late = threading.Timer(5.0, lambda: mailbox.put(key, "sent"))    # without slices: the receive returns this
+
+    def interrupt_from_here():
+        time.sleep(0.2)                                         # the receive is parked by then
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+    poker = threading.Thread(target=interrupt_from_here)
+    late.start()
+    poker.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            mailbox.get(key)
+        assert time.perf_counter() - start < 2.0
+    finally:
+        late.cancel()
+        poker.join()

@@ -93,7 +93,10 @@ class Mailbox:
                 self._who[key] = who
                 self._check_deadlock()
         if item is None:
-            waiter.acquire()          # blocks until put() or abort() releases it
+            # blocks until put() or abort() releases it; in slices, so that the caller's thread, which may be
+            # playing a device (CallerThread), runs a Ctrl-C that the kernel handed to another thread
+            while not waiter.acquire(timeout=PARK_SLICE_S):
+                pass
             with self._lock:
                 item = self._items.pop(key, None)
             if item is None:
@@ -147,5 +150,6 @@ def _name(who) -> str:
 
 
 SPIN_S = 100e-6
+PARK_SLICE_S = 0.05          # how long a Ctrl-C may wait for a parked receive on the caller's thread
 SPIN_RECEIVE_S = 5e-3        # near-empty 1F1B: 200 us parked often (~26 us/action), 5 ms rarely (~17)
 POLL_NAP_S = 10e-6           # well under a wake-up (~40 us); 5 and 20 us measured alike

@@ -1,6 +1,7 @@
 """Pipeline: runs a schedule's action lists on the devices' workers and records a Timeline."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -12,7 +13,7 @@ from ..lm import dropout
 from ..runtime import streams
 from ..runtime.devices import Device
 from ..runtime.link import Link
-from ..runtime.workers import start_workers, stop_workers, wait_interruptibly, wait_uninterrupted
+from ..runtime.workers import QuickSwitching, start_workers, stop_workers, wait_interruptibly, wait_uninterrupted
 from . import schedules
 from .buckets import BucketPlan, plan_bucket, split_form, transfer_time
 from .carry import CarriedState
@@ -99,6 +100,10 @@ class Pipeline(BaseRunner):
         self.carry = CarriedState(self.stages, self.micro_batches, self.micro_batch_sizes)
         # pinned workers (a core each) poll for a hand-off instead of sleeping (Mailbox)
         self._workers, self._core_each = start_workers(self.devices)
+        self._switching = QuickSwitching if self._core_each else contextlib.nullcontext
+        # a worker that is this very thread (CallerThread: the first device, with a core each) runs its job as it
+        # is submitted, so it is submitted last
+        self._submit_order = sorted(range(len(self.devices)), key=lambda d: self._workers[d].runs_here)
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._stepping = threading.Lock()     # one step at a time: the stages hold one step's tensors
         # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.lm.dropout.
@@ -179,7 +184,8 @@ class Pipeline(BaseRunner):
                                "Pipeline on other devices")
         try:
             tokens, plan = self._prepare(batch, train)
-            return self._run(batch, tokens, plan, actions, train)
+            with self._switching():       # workers with a core each: the interpreter lock changes hands quickly
+                return self._run(batch, tokens, plan, actions, train)
         finally:
             self._stepping.release()
 
@@ -212,14 +218,16 @@ class Pipeline(BaseRunner):
         try:
             # Submitted inside the try: a Ctrl-C between two submissions must still abort the jobs
             # already queued, which would otherwise wait for the others' messages for ever.
-            for d, (worker, row) in enumerate(zip(self._workers, actions)):
-                job = DeviceStep(self, d, row, micro, 1.0 / tokens, train, mailbox, timeline, t0, key, plan)
+            for d in self._submit_order:
+                worker = self._workers[d]
+                job = DeviceStep(self, d, actions[d], micro, 1.0 / tokens, train, mailbox, timeline, t0, key, plan)
                 futures.append(worker.submit(streams.after(callers.get(worker.device.name), job.run)))
             done, _ = wait_interruptibly(futures, return_when=FIRST_EXCEPTION)
             if any(f.exception() is not None for f in done):
                 mailbox.abort()
                 wait_interruptibly(futures)
-                errors = [f.exception() for f in futures if f.exception() is not None
+                in_device_order = [f for _, f in sorted(zip(self._submit_order, futures), key=lambda df: df[0])]
+                errors = [f.exception() for f in in_device_order if f.exception() is not None
                           and not isinstance(f.exception(), Aborted)]
                 raise errors[0] if errors else mailbox.failure or RuntimeError("pipeline step aborted")
         except KeyboardInterrupt:

@@ -114,6 +114,9 @@ class Stage:
         would walk back through them again to reach the weights below: an LSTM stage's W would cost a second
         full backward."""
         params = [p for layer in self.layers for p in _parameters(layer)]
+        # what the step's forwards and backwards read of the weights and the layers, fixed for the step
+        self._trained = [p for p in params if p.requires_grad]
+        self._flags = (tuple(p.requires_grad for p in params), tuple(m.training for m in self.layers))
         storages = [p.untyped_storage().data_ptr() for p in params]
         # the same weights, in the same memory, as at the last step: nothing to redo (the ids are of weights
         # self._all_params still holds, so none of them can have been reused by a new one)
@@ -127,9 +130,9 @@ class Stage:
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
-        """The weights backward trains: those that require grad now (a layer frozen or thawed after
-        the pipeline was built counts as it is at the step)."""
-        return [p for p in self._all_params if p.requires_grad]
+        """The weights backward trains: those that require grad at the step's start (reset: a layer frozen or
+        thawed after the pipeline was built counts as it is at the step)."""
+        return self._trained
 
     def reset(self, keep_state: bool = False, carry: bool = True, chunks: int = 1) -> None:
         """Forget a step's saved tensors (and, unless carrying it, the recurrent state). For the step to
@@ -177,8 +180,7 @@ class Stage:
         # (one per saved tensor, in the backward too, each taking the interpreter lock from the other
         # devices) cost a small stage's action 5-15% (bench/fidelity.py's time chunks).
         kind = (x.shape, None if targets is None else targets.shape, chunk > 0, bool(self.state.get(mb)),
-                tuple(p.requires_grad for p in self._all_params), tuple(m.training for m in self.layers),
-                where is None)
+                self._flags, where is None)
         storages: dict[int, int] | None = None if kind in self._saved_bytes else {}
         counting = (contextlib.nullcontext() if storages is None else
                     torch.autograd.graph.saved_tensors_hooks(self._counting_hook(storages, x, targets), lambda t: t))

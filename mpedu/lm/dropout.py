@@ -1,7 +1,6 @@
 """Positional dropout: each mask is a function of (seed, step, layer, sequence, time step), not of who draws it."""
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from dataclasses import dataclass
 
@@ -42,14 +41,22 @@ class Position:
 _where: contextvars.ContextVar[Position | None] = contextvars.ContextVar("mpedu_dropout_position", default=None)
 
 
-@contextlib.contextmanager
-def at(position: Position | None):
-    """Run the block's positional dropout at `position` (in this thread only)."""
-    token = _where.set(position)
-    try:
-        yield
-    finally:
-        _where.reset(token)
+class at:
+    """`with at(position):` run the block's positional dropout at `position` (in this thread only).
+
+    A class, not a generator: a pipeline enters one per forward on its step's critical path, and
+    contextlib's generator machinery costs three times as much."""
+
+    __slots__ = ("position", "token")
+
+    def __init__(self, position: Position | None):
+        self.position = position
+
+    def __enter__(self):
+        self.token = _where.set(self.position)
+
+    def __exit__(self, *exc):
+        _where.reset(self.token)
 
 
 def current() -> Position | None:
