@@ -2,7 +2,12 @@
 the fastest plan, and its top candidates run for real (targets on a quiet 2-core machine, 2 devices:
 Kendall tau >= 0.8, worst error <= 10%, planning under 1 s).
 
-    python bench/planner.py [--steps 15] [--top 5]
+    python bench/planner.py [--steps 15] [--top 5] [--schedules all|default]
+
+The search takes every schedule the planner knows (`all`): the explorer's six, and the V-shapes (ZB-V,
+DualPipeV, V-Half, V-Min on every V split) and zero bubble under every memory cap from 1 to 2p micro-batches per
+device (`zb_cap1` ...), searched only when asked for; `default` searches the six alone. The JSON names the
+candidates of each kind (`candidates_by_schedule`) and which of them reach the front.
 
 One profile (a CostCurve: every micro-batch width the search tries, and the time-chunk lengths the
 wavefront schedule runs) serves both device counts. The cap is the geometric middle of the uncapped
@@ -38,18 +43,26 @@ from common import finish, machine, random_batch  # noqa: E402
 from quiet import quiet_rounds, wait_quiet  # noqa: E402
 
 from mpedu.lm import LSTMLM  # noqa: E402
-from mpedu.predict import (CostCurve, kendall_tau, measure_cores, plan, plan_buckets, predict,  # noqa: E402
-    predict_epoch, profile_curve, tau_apart)
+from mpedu.predict import (SCHEDULES, CostCurve, kendall_tau, measure_cores, plan, planner,  # noqa: E402
+    plan_buckets, predict, predict_epoch, profile_curve, tau_apart)
 
 VOCAB, T, B = 10_000, 20, 16          # smaller than the how-to's batch: a step here takes ~0.2 s on 2 cores
 DEVICES = (2, 4)
 
 
+
+def _kind(schedule: str) -> str:
+    """A candidate's schedule family: zb_cap3 counts as zb_cap."""
+    return "zb_cap" if schedule.startswith("zb_cap") else schedule
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=15, help="measured steps per candidate (median)")
     parser.add_argument("--top", type=int, default=5, help="candidates to run for real")
+    parser.add_argument("--schedules", choices=("all", "default"), default="all",
+                        help="all: the V-shapes and capped zero bubble too; default: the explorer's six")
     args = parser.parse_args(argv)
+    searched = SCHEDULES + (planner.EXTRA_SCHEDULES if args.schedules == "all" else ())
     torch.manual_seed(0)
     model = LSTMLM.from_config("mxnet8", VOCAB, dropout=0.0)
     batch = random_batch(VOCAB, T, B)
@@ -72,11 +85,11 @@ def main(argv=None):
         other.extend(c for c in quiet_rounds(one_round, count) if c is not None)
     for p in DEVICES:
         cores = measure_cores(p, repeats=3, model=model, batch=batch.split(B // widths[0])[0])
-        free = plan(model, batch, p, costs=curve, cores=cores)
+        free = plan(model, batch, p, costs=curve, cores=cores, schedules=searched)
         cap = int((free.front[0].peak_bytes * free.front[-1].peak_bytes) ** 0.5)
         times = []
         for _ in range(3):
-            capped = plan(model, batch, p, costs=curve, cores=cores, memory_cap=cap)
+            capped = plan(model, batch, p, costs=curve, cores=cores, memory_cap=cap, schedules=searched)
             times.append(capped.seconds)
         print(f"\n{p} virtual devices ({cores:.2f} cores' worth of work at once)")
         print(f"uncapped, the fastest: {free.best}")
@@ -101,7 +114,14 @@ def main(argv=None):
               f"{cores:.2f}, after {after:.2f}): " + ", ".join(f"{r['error']:+.1%}" for r in rows)
               + f"; Kendall tau {tau:+.2f} ({tau_told:+.2f} over the {apart} of {pairs} pairs the rounds tell "
               f"apart), worst error {worst:.1%}")
+        kinds = {}
+        for c in capped.simulated:
+            kinds[_kind(c.schedule)] = kinds.get(_kind(c.schedule), 0) + 1
+        on_front = sorted({_kind(c.schedule) for c in capped.front})
+        print(f"candidates simulated by schedule: {kinds}; on the front: {', '.join(on_front)}")
         results[p] = {"devices": p, "cores": cores, "memory_cap": cap, "seconds_to_plan": statistics.median(times),
+                      "schedules_searched": list(searched), "candidates_by_schedule": kinds,
+                      "schedules_on_front": on_front,
                       "searched": capped.searched, "simulated": len(capped.simulated),
                       "fastest_uncapped": {"plan": free.best.label, "placement": str(free.best.placement),
                                            "step_s": free.best.step_s, "peak_bytes": free.best.peak_bytes},

@@ -8,7 +8,7 @@ import torch
 
 from conftest import VOCAB, make_batch, tiny_model, train_both
 from mpedu.lm import Batch, LMConfig, LSTMLM, StreamIterator
-from mpedu.core import Pipeline, SingleDevice
+from mpedu.core import Pipeline, Placement, SingleDevice
 from mpedu.training import evaluate
 from test_distributed import torchrun, torchrun_job
 
@@ -68,6 +68,18 @@ def assert_same(got, expected, exact=False):
                 assert torch.equal(g[name], ref[name]), f"batch {k}: {name}"
             else:
                 torch.testing.assert_close(g[name], ref[name], rtol=1e-5, atol=1e-7, msg=f"batch {k}: {name}")
+
+
+@pytest.mark.parametrize("dropout", [0.0, P], ids=["dropout0", "dropout"])
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "v_half", "v_min"])
+def test_the_v_shapes_on_four_devices_give_the_single_device_loss_and_gradients(schedule, dropout):
+    """A V of 8 stages on 4 virtual devices (two workers a core here), m = 8 (DualPipeV needs 2p), two batches."""
+    batches = [make_batch(T=7, B=8, seed=1), make_batch(T=9, B=8, seed=2)]
+    expected = one_device(tiny_model(num_layers=6, dropout=dropout), batches, seed=3)
+    model = tiny_model(num_layers=6, dropout=dropout)
+    v = Placement.v_shape(model, 4)
+    assert v.stage_devices == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert_same(pipelined(model, schedule, v, 8, 1, batches, seed=3), expected)
 
 
 @pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=IDS)

@@ -73,15 +73,20 @@ def test_dualpipev_two_devices_four_micro_batches():
     assert unit_costs(s) == (25.0, [5.0, 5.0])
 
 
-@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
-@pytest.mark.parametrize("p,m", [(2, 4), (2, 7), (3, 6), (4, 8), (4, 12)])
-def test_v_schedules_validate_count_and_take_6m_plus_p_minus_1(name, p, m):
-    s = make(name, v(p), m)               # make validates
+def assert_every_action_once_per_device(s, p, m):
+    """Each device of a V runs F, B and W of every micro-batch on each of its two stages, once."""
     for d, row in enumerate(s.actions):
         assert len(row) == 6 * m, f"device {d}: F, B and W of m micro-batches on each of its two stages"
         for stage in (d, 2 * p - 1 - d):
             for kind in "FBW":
                 assert sorted(a.mb for a in row if (a.kind, a.stage) == (kind, stage)) == list(range(m))
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 7), (3, 6), (4, 8), (4, 12)])
+def test_v_schedules_validate_count_and_take_6m_plus_p_minus_1(name, p, m):
+    s = make(name, v(p), m)               # make validates
+    assert_every_action_once_per_device(s, p, m)
     makespan, peaks = unit_costs(s)
     assert makespan == 6 * m + p - 1                     # p - 1 idle ticks per device
     assert peaks == [2 * p + (name == "dualpipev")] * p   # DualPipeV holds one micro-batch-stage more
@@ -172,11 +177,7 @@ def test_v_half_and_v_min_validate_count_and_hold_their_limit(name, p):
     need = vmem.min_micro_batches(name, p)
     for m in (need, need + 1, 12, 16):
         s = make(name, v(p), m)                        # make validates: no deadlock
-        for d, row in enumerate(s.actions):
-            assert len(row) == 6 * m, f"device {d}: F, B and W of m micro-batches on each of its two stages"
-            for stage in (d, 2 * p - 1 - d):
-                for kind in "FBW":
-                    assert sorted(a.mb for a in row if (a.kind, a.stage) == (kind, stage)) == list(range(m))
+        assert_every_action_once_per_device(s, p, m)
         makespan, peaks = unit_costs(s)
         assert max(peaks) <= vmem.held_limit(name, p, m)
         # at unit costs, for every m the generator takes, on 2 to 8 devices (fitted here, checked above):

@@ -20,7 +20,7 @@ from .carry import CarriedState
 from .device_step import DeviceStep, sender_of
 from .mailbox import Aborted, Mailbox
 from .placement import Placement, as_placement
-from .recompute import recompute_modes, recompute_table
+from .recompute import describe_modes, recompute_modes, recompute_table
 from .runner import BaseRunner, StepInterrupted, StepResult, check_batch, check_layers, checked_schedule
 from .schedules import Action, Schedule
 from .stage import Stage
@@ -34,10 +34,9 @@ class Pipeline(BaseRunner):
         result = pipe.train_step(batch)     # gradients accumulate in model's .grad
         print(result.loss, result.timeline.summary())
 
-    `placement` is a Placement, a placement string, a dict layer -> device, or a
-    device count (an even split). `schedule` is a name (then `micro_batches`, default 4,
-    and `chunks`, default 1, shape it) or a Schedule, which brings its own. Workers
-    persist across steps; `close()` (or garbage collection, or a `with` block) ends them.
+    `placement` is a Placement, a placement string, a dict layer -> device, or a device count (an even split).
+    `schedule` is a name (then `micro_batches`, default 4, and `chunks`, default 1, shape it) or a Schedule, which
+    brings its own. Workers persist across steps; `close()` (or garbage collection, or a `with` block) ends them.
 
     `micro_batches` is a count m (each batch cut into m equal micro-batches of B/m sentences) or a list
     of sizes, micro-batches of unequal widths side by side, adding up to the batch width:
@@ -48,19 +47,17 @@ class Pipeline(BaseRunner):
     count (`micro_batches` is then 4, `micro_batch_sizes` the list); the loss is weighted by tokens and
     dropout masks start at each micro-batch's first column, so the gradients are one device's either way.
 
-    `link` joins virtual devices by an emulated interconnect: a Link, or text for
-    Link.parse ("pcie4", "10gbe/100", "5ms,10MB/s"); None is shared memory (no added
-    delay). A tensor sent at time t then reaches the other device no earlier than
-    t + link.time(bytes): the sender goes on, the receiver sleeps, transfers in one
-    direction queue for the bandwidth (see Link), and the timeline's send event spans
-    the link's time. Between real GPUs copies take their real time: link= is refused.
+    `link` joins virtual devices by an emulated interconnect: a Link, or text for Link.parse ("pcie4", "10gbe/100",
+    "5ms,10MB/s"); None is shared memory (no added delay). A tensor sent at time t then reaches the other device no
+    earlier than t + link.time(bytes): the sender goes on, the receiver sleeps, transfers in one direction queue for
+    the bandwidth (see Link), and the timeline's send event spans the link's time. Between real GPUs copies take
+    their real time: link= is refused.
 
-    `recompute` trades time for memory (activation recomputation, as in GPipe and torchgpipe):
-    None keeps every activation from a forward to its backward; "all" keeps only each stage's
-    input and runs the forward again at the start of the backward (an "R" box in the timeline);
-    "all-but-last" does so for every micro-batch but the last (torchgpipe's default; see
-    mpedu.predict.footprint for what it saves here); {stage: mode} chooses per stage. Gradients are the
-    same either way: dropout draws the same masks on the re-run (mpedu.lm.dropout).
+    `recompute` trades time for memory (activation recomputation, as in GPipe and torchgpipe): None keeps every
+    activation from a forward to its backward; "all" keeps only each stage's input and runs the forward again at
+    the start of the backward (an "R" box in the timeline); "all-but-last" does so for every micro-batch but the
+    last (torchgpipe's default; see mpedu.predict.footprint for what it saves here); {stage: mode} chooses per
+    stage. Gradients are the same either way: dropout draws the same masks on the re-run (mpedu.lm.dropout).
 
     A memory cap is a check installed around the step (mpedu.predict.cap_memory): each callable in
     `before_training_step` sees every training batch before any worker runs.
@@ -98,25 +95,20 @@ class Pipeline(BaseRunner):
         self.before_training_step: list = []          # checks installed around the step (a memory cap)
         self.last_timeline: Timeline | None = None   # the latest train_step's, for the command line
         self.carry = CarriedState(self.stages, self.micro_batches, self.micro_batch_sizes)
-        # pinned workers (a core each) poll for a hand-off instead of sleeping (Mailbox)
-        self._workers, self._core_each = start_workers(self.devices)
+        self._workers, self._core_each = start_workers(self.devices)    # a core each: they poll for hand-offs
         self._switching = QuickSwitching if self._core_each else contextlib.nullcontext
-        # a worker that is this very thread (CallerThread: the first device, with a core each) runs its job as it
-        # is submitted, so it is submitted last
+        # a worker that is this very thread (CallerThread) runs its job as it is submitted: submitted last
         self._submit_order = sorted(range(len(self.devices)), key=lambda d: self._workers[d].runs_here)
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._stepping = threading.Lock()     # one step at a time: the stages hold one step's tensors
-        # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.lm.dropout.
-        # Each train_step uses dropout_step, then counts it up; train() sets both from its seed and
-        # global step, so a resumed run draws the masks the uninterrupted one drew.
-        self.dropout_seed = 0
-        self.dropout_step = 0
+        # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.lm.dropout. Each
+        # train_step uses dropout_step, then counts it up; train() sets both from its seed and global step, so a
+        # resumed run draws the masks the uninterrupted one drew.
+        self.dropout_seed, self.dropout_step = 0, 0
 
     def __repr__(self) -> str:
         link = f", link={self.link.name}" if self.link.emulated else ""
-        modes = set(self.recompute)
-        recompute = "" if modes == {None} else f", recompute={self.recompute[0]!r}" if len(modes) == 1 else (
-            f", recompute={ {s: m for s, m in enumerate(self.recompute) if m} }")
+        recompute = describe_modes(self.recompute)
         split = self.micro_batches if self.micro_batch_sizes is None else list(self.micro_batch_sizes)
         return (f"Pipeline({self.placement}, schedule={self.schedule.name}, micro_batches={split}"
                 f"{link}{recompute})")

@@ -15,6 +15,19 @@ def _shown(text) -> str:
     return shown if len(shown) <= 60 else f"{shown[:50]}...' ({len(str(text)):,} characters)"
 
 
+
+def tied_layers(model, names=None) -> list[tuple[str, str]]:
+    """The pairs of layers (of `names`, default all, in model order) that share a weight, such as a tied
+    embedding and decoder, the first holder first: they must sit on one device."""
+    owner: dict[int, str] = {}
+    pairs: list[tuple[str, str]] = []
+    for name in names if names is not None else model.layer_names:
+        for p in model.layers[name].parameters():
+            first = owner.setdefault(id(p), name)
+            if first != name and (first, name) not in pairs:
+                pairs.append((first, name))
+    return pairs
+
 class Placement:
     """An ordered map layer name -> Device covering every layer of a model once.
 
@@ -128,14 +141,11 @@ class Placement:
     def check_tied_weights(self, model) -> None:
         """Refuse a weight used by layers on two devices (tied embedding and decoder): each device would
         update its own copy, and the two would drift apart. On one device a tied weight is fine."""
-        owner: dict[int, str] = {}
-        for name in self.layer_names:
-            for p in model.layers[name].parameters():
-                other = owner.setdefault(id(p), name)
-                if self.assignment[other] != self.assignment[name]:
-                    raise ValueError(f"tied weights: {other} ({self.assignment[other]}) and {name} "
-                                     f"({self.assignment[name]}) share one weight matrix, so they must sit on the "
-                                     "same device; place them together or build the model with tie_weights=False")
+        for other, name in tied_layers(model, self.layer_names):
+            if self.assignment[other] != self.assignment[name]:
+                raise ValueError(f"tied weights: {other} ({self.assignment[other]}) and {name} "
+                                 f"({self.assignment[name]}) share one weight matrix, so they must sit on the "
+                                 "same device; place them together or build the model with tie_weights=False")
 
     # -- derived --------------------------------------------------------------------
     @property

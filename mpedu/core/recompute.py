@@ -71,3 +71,13 @@ def recompute_table(modes: list[str | None], micro_batches: int) -> dict[bool, l
     reads on its critical path, worked out once. Evaluation (False) keeps nothing, so re-runs nothing."""
     return {True: [[recomputes(mode, i, micro_batches) for i in range(micro_batches)] for mode in modes],
             False: [[False] * micro_batches for _ in modes]}
+
+
+def describe_modes(modes: list[str | None]) -> str:
+    """A runner's repr of its per-stage modes: "" for none, ", recompute='all'" for one, else by stage."""
+    kinds = set(modes)
+    if kinds == {None}:
+        return ""
+    if len(kinds) == 1:
+        return f", recompute={modes[0]!r}"
+    return f", recompute={ {s: m for s, m in enumerate(modes) if m} }"

@@ -8,7 +8,7 @@ import threading
 
 import ipywidgets as w
 
-from ..core.placement import Placement
+from ..core.placement import Placement, tied_layers
 from ..predict.footprint import device_footprints
 from ..predict.simulator import simulate
 from ..runtime.devices import get_device, get_devices
@@ -19,7 +19,7 @@ from .explorer_board import BoardFollows
 from .explorer_costs import MeasuredCosts, layer_notes, sizes_words
 from .explorer_run import RealSteps
 from .explorer_run import error_html as _error
-from .layout import SCHEDULE_MENU, kept_cuts, tied_layers
+from .layout import SCHEDULE_MENU, kept_cuts
 from .refusals import check, example_sizes, read_sizes
 from .stepper import StepThrough
 from .timeline_view import TimelineView

@@ -63,12 +63,3 @@ def v_layout(layers: list[str], devices: list[str]) -> Placement:
     return Placement.v_shape(SimpleNamespace(layer_names=list(layers)), devices)
 
 
-def tied_layers(model) -> list[tuple[str, str]]:
-    """The pairs of layers that share a weight (a tied embedding and decoder), first holder first."""
-    owner, pairs = {}, []
-    for name in model.layer_names:
-        for p in model.layers[name].parameters():
-            first = owner.setdefault(id(p), name)
-            if first != name and (first, name) not in pairs:
-                pairs.append((first, name))
-    return pairs

@@ -39,68 +39,79 @@ def zb_capped(stage_devices, m: int, cap: int, cost: Callable[[str, int], float]
                          "one micro-batch at a time; the number of devices holds what 1F1B holds)")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"m={m!r}: the number of micro-batches, a whole number >= 1")
-    stage_devices = tuple(stage_devices)
-    n, p = len(stage_devices), max(stage_devices) + 1
-    cost = cost or (lambda kind, stage: 1.0)
-    mine = [[s for s in range(n) if stage_devices[s] == d] for d in range(p)]
-    first = [min(stages) for stages in mine]                       # a micro-batch starts on d at its first stage
-    end: dict[Action, float] = {}                                  # action -> when it ends
-    rows: list[list[Action]] = [[] for _ in range(p)]
-    free = [0.0] * p                                               # when each device is next free
-    held = [set() for _ in range(p)]                               # micro-batches each device holds
-    w_left = [{} for _ in range(p)]                                # mb -> its W's still to run on the device
-    todo = {d: 3 * m * len(mine[d]) for d in range(p)}              # F, B and W of each micro-batch-stage
-    ends: list[float] = [0.0]                                      # the times at which something ends (a heap)
+    play = _Play(tuple(stage_devices), m, cap, cost or (lambda kind, stage: 1.0))
+    while any(play.todo.values()):
+        started = [play.start(d, a) for d in range(play.p)
+                   if play.todo[d] and play.free[d] <= play.now and (a := play.choose(d)) is not None]
+        if not started:             # nobody may start now: on to the next moment an action ends
+            play.wait()
+    return Schedule(f"zb_cap{cap}", play.stage_devices, m, play.rows,
+                    split_backward=frozenset(range(play.n))).validate()
 
-    def deps(a: Action) -> list[Action]:
+
+class _Play:
+    """The step played ahead at given costs: what each device has run, holds and has left, and the clock."""
+
+    def __init__(self, stage_devices: tuple, m: int, cap: int, cost):
+        self.stage_devices, self.m, self.cap, self.cost = stage_devices, m, cap, cost
+        self.n, self.p = len(stage_devices), max(stage_devices) + 1
+        self.mine = [[s for s in range(self.n) if stage_devices[s] == d] for d in range(self.p)]
+        self.first = [min(stages) for stages in self.mine]          # a micro-batch starts on d at its first stage
+        self.end: dict[Action, float] = {}                          # action -> when it ends
+        self.rows: list[list[Action]] = [[] for _ in range(self.p)]
+        self.free = [0.0] * self.p                                  # when each device is next free
+        self.held = [set() for _ in range(self.p)]                  # micro-batches each device holds
+        self.w_left = [{} for _ in range(self.p)]                   # mb -> its W's still to run on the device
+        self.todo = {d: 3 * m * len(self.mine[d]) for d in range(self.p)}   # F, B and W of each micro-batch-stage
+        self.ends: list[float] = [0.0]                              # the times at which something ends (a heap)
+        self.now = 0.0
+
+    def deps(self, a: Action) -> list[Action]:
         if a.kind == "F":
             return [F(a.stage - 1, a.mb)] if a.stage > 0 else []
         if a.kind == "B":
-            return [F(a.stage, a.mb)] + ([B(a.stage + 1, a.mb)] if a.stage < n - 1 else [])
+            return [F(a.stage, a.mb)] + ([B(a.stage + 1, a.mb)] if a.stage < self.n - 1 else [])
         return [B(a.stage, a.mb)]
 
-    def ready(a: Action, now: float) -> bool:
-        return a not in end and all(end.get(x, now + 1) <= now for x in deps(a))
+    def ready(self, a: Action) -> bool:
+        return a not in self.end and all(self.end.get(x, self.now + 1) <= self.now for x in self.deps(a))
 
-    def choose(d: int, now: float) -> Action | None:
-        backwards = [B(s, i) for i in range(m) for s in reversed(mine[d])]
-        pick = next((a for a in backwards if ready(a, now)), None)
+    def choose(self, d: int) -> Action | None:
+        """The rule: a B, the oldest first; an F of a micro-batch d holds; a new one under the cap; a W."""
+        mine, m = self.mine[d], self.m
+        pick = next((a for a in (B(s, i) for i in range(m) for s in reversed(mine)) if self.ready(a)), None)
         if pick is None:
-            ongoing = [F(s, i) for i in sorted(held[d]) for s in mine[d] if s != first[d]]
-            pick = next((a for a in ongoing if ready(a, now)), None)
-        if pick is None and len(held[d]) < cap:
-            pick = next((F(first[d], i) for i in range(m) if ready(F(first[d], i), now)), None)
+            ongoing = (F(s, i) for i in sorted(self.held[d]) for s in mine if s != self.first[d])
+            pick = next((a for a in ongoing if self.ready(a)), None)
+        if pick is None and len(self.held[d]) < self.cap:
+            pick = next((F(self.first[d], i) for i in range(m) if self.ready(F(self.first[d], i))), None)
         if pick is None:
-            waiting = [W(s, i) for i in sorted(w_left[d]) for s in sorted(w_left[d][i]) if B(s, i) in end
-                       and end[B(s, i)] <= now]
+            waiting = [W(s, i) for i in sorted(self.w_left[d]) for s in sorted(self.w_left[d][i])
+                       if B(s, i) in self.end and self.end[B(s, i)] <= self.now]
             pick = waiting[0] if waiting else None
         return pick
 
-    now = 0.0
-    while any(todo.values()):
-        moved = False
-        for d in range(p):
-            a = choose(d, now) if todo[d] and free[d] <= now else None
-            if a is None:
-                continue
-            rows[d].append(a)
-            end[a] = free[d] = now + cost(a.kind, a.stage)
-            heapq.heappush(ends, end[a])
-            todo[d] -= 1
-            moved = True
-            if a.kind == "F" and a.stage == first[d]:
-                held[d].add(a.mb)
-                w_left[d][a.mb] = set(mine[d])
-            elif a.kind == "W":
-                w_left[d][a.mb].discard(a.stage)
-                if not w_left[d][a.mb]:
-                    del w_left[d][a.mb]
-                    held[d].discard(a.mb)
-        if not moved:            # nobody may start now: on to the next moment an action ends
-            while ends and ends[0] <= now:
-                heapq.heappop(ends)
-            if not ends:
-                raise RuntimeError(f"zb_capped found nothing to run for stage devices {list(stage_devices)}, m={m}, "
-                                   f"cap={cap}: a bug, please report it")
-            now = ends[0]
-    return Schedule(f"zb_cap{cap}", stage_devices, m, rows, split_backward=frozenset(range(n))).validate()
+    def start(self, d: int, a: Action) -> Action:
+        """Device d runs `a` now: note it, when it ends, and what d holds after it."""
+        self.rows[d].append(a)
+        self.end[a] = self.free[d] = self.now + self.cost(a.kind, a.stage)
+        heapq.heappush(self.ends, self.end[a])
+        self.todo[d] -= 1
+        if a.kind == "F" and a.stage == self.first[d]:
+            self.held[d].add(a.mb)
+            self.w_left[d][a.mb] = set(self.mine[d])
+        elif a.kind == "W":
+            self.w_left[d][a.mb].discard(a.stage)
+            if not self.w_left[d][a.mb]:
+                del self.w_left[d][a.mb]
+                self.held[d].discard(a.mb)
+        return a
+
+    def wait(self) -> None:
+        """On to the next moment an action ends."""
+        while self.ends and self.ends[0] <= self.now:
+            heapq.heappop(self.ends)
+        if not self.ends:
+            raise RuntimeError(f"zb_capped found nothing to run for stage devices {list(self.stage_devices)}, "
+                               f"m={self.m}, cap={self.cap}: a bug, please report it")
+        self.now = self.ends[0]
