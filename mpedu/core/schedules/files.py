@@ -101,6 +101,24 @@ def read_csv(source, stage_devices=None, micro_batches: int | None = None, name:
         cells = [[(r, c, [("I" if kind == "B" else kind, s, i) for kind, s, i in group]) for r, c, group in row]
                  for row in cells]
     actions = [(r, c, kind, s, i) for row in cells for r, c, group in row for kind, s, i in group]
+    _refuse_old_b(actions, name)
+    split = frozenset(s for _, _, kind, s, _ in actions if kind in "IW")
+    placed = _csv_stage_devices(actions, name)
+    if stage_devices is None:
+        stage_devices = placed
+    elif list(stage_devices) != placed:
+        raise ValueError(f"the CSV schedule {name!r} puts the stages on devices {placed} (each stage on the row "
+                         f"it sits on), but this placement gives {list(stage_devices)}; build the placement "
+                         "for the file, or the file for the placement")
+    out, overlapped = _mpedu_rows(cells, split)
+    if micro_batches is None:
+        micro_batches = 1 + max(a.mb for row in out for a in row)
+    return Schedule(name, tuple(stage_devices), micro_batches, out, split_backward=split,
+                    overlapped=frozenset(overlapped)).validate()
+
+
+def _refuse_old_b(actions, name: str) -> None:
+    """A B beside a W of the same stage and micro-batch: PyTorch's older files' B, which is today's I."""
     weighed = {(s, i) for _, _, kind, s, i in actions if kind == "W"}
     old = next(((r, c, s, i) for r, c, kind, s, i in actions if kind == "B" and (s, i) in weighed), None)
     if old is not None:
@@ -110,15 +128,11 @@ def read_csv(source, stage_devices=None, micro_batches: int | None = None, name:
                             "weight gradient twice. PyTorch's older files wrote B for what it now calls I (the "
                             "input-gradient half); if this is one of those, read B as I: "
                             "read_csv(..., b_means_i=True)")
-    split = frozenset(s for _, _, kind, s, _ in actions if kind in "IW")
-    placed = _csv_stage_devices(actions, name)
-    if stage_devices is None:
-        stage_devices = placed
-    elif list(stage_devices) != placed:
-        raise ValueError(f"the CSV schedule {name!r} puts the stages on devices {placed} (each stage on the row "
-                         f"it sits on), but this placement gives {list(stage_devices)}; build the placement "
-                         "for the file, or the file for the placement")
-    out: list[list[Action]] = [[] for _ in rows]
+
+
+def _mpedu_rows(cells, split) -> tuple[list[list[Action]], set]:
+    """PyTorch's cells as mpedu's rows, and the overlapped pairs as (row, index of the pair's first action)."""
+    out: list[list[Action]] = [[] for _ in cells]
     overlapped = set()
     for r, row in enumerate(cells):
         for _, _, group in row:
@@ -131,10 +145,7 @@ def read_csv(source, stage_devices=None, micro_batches: int | None = None, name:
                     out[r] += [B(s, i), W(s, i)]
                 else:
                     out[r].append(W(s, i) if kind == "W" else B(s, i))
-    if micro_batches is None:
-        micro_batches = 1 + max(a.mb for row in out for a in row)
-    return Schedule(name, tuple(stage_devices), micro_batches, out, split_backward=split,
-                    overlapped=frozenset(overlapped)).validate()
+    return out, overlapped
 
 
 def _csv_source(source, name: str | None) -> tuple[str, str]:

@@ -97,6 +97,25 @@ def _with_ws(row: dict[int, Action]) -> list[Action]:
 def _controlled(name: str, stage_devices, m: int) -> tuple[Schedule, int]:
     """The schedule and its memory limit (micro-batch-stages per device)."""
     p = _v_devices(name, stage_devices)
+    _check_micro_batches(name, p, m)
+    n = 2 * p
+    when: dict[Action, int] = {}
+    rows: list[dict[int, Action]] = [{} for _ in range(p)]
+    for r, (f_down, f_up, b_up, b_down) in enumerate(block(name, p)):
+        down, up = r, n - 1 - r
+        for i in range(m):
+            for a, t in ((F(down, i), f_down), (F(up, i), f_up), (B(up, i), b_up), (B(down, i), b_down)):
+                when[a] = t + PERIOD * i
+                rows[r][when[a]] = a
+    limit = max(_peak(row) for row in rows)
+    _squeeze(when, rows, stage_devices, m, limit)
+    schedule = Schedule(name, tuple(stage_devices), m, [_with_ws(row) for row in rows],
+                        split_backward=frozenset(range(n)))
+    return schedule, limit
+
+
+def _check_micro_batches(name: str, p: int, m: int) -> None:
+    """Refuse an m the block cannot reach its steady phase with, saying which m it needs."""
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise ValueError(f"m={m!r}: the number of micro-batches, a whole number >= 1")
     need = min_micro_batches(name, p)
@@ -108,16 +127,12 @@ def _controlled(name: str, stage_devices, m: int) -> tuple[Schedule, int]:
                          f"tick {PERIOD}(m - 1), after tick {first_back}: m >= {first_back} // {PERIOD} + 2 = {need}). "
                          f"Use micro_batches >= {need}, or zbv (any m), or zb_cap<k> on the V to hold at most k "
                          "micro-batches per device")
-    n = 2 * p
-    when: dict[Action, int] = {}
-    rows: list[dict[int, Action]] = [{} for _ in range(p)]
-    for r, (f_down, f_up, b_up, b_down) in enumerate(block(name, p)):
-        down, up = r, n - 1 - r
-        for i in range(m):
-            for a, t in ((F(down, i), f_down), (F(up, i), f_up), (B(up, i), b_up), (B(down, i), b_down)):
-                when[a] = t + PERIOD * i
-                rows[r][when[a]] = a
-    limit = max(_peak(row) for row in rows)
+
+
+def _squeeze(when: dict, rows: list, stage_devices, m: int, limit: int) -> None:
+    """The warm-up and the cool-down squeezed, in place: in tick order, each F and B outside the steady phase
+    moves to the earliest free tick after its dependencies at which its device stays within `limit`."""
+    n = len(stage_devices)
 
     def deps(a: Action) -> list[Action]:
         if a.kind == "F":
@@ -126,7 +141,7 @@ def _controlled(name: str, stage_devices, m: int) -> tuple[Schedule, int]:
             own = [F(a.stage, a.mb)] + ([B(a.stage + 1, a.mb)] if a.stage < n - 1 else [])
         return own + ([Action(a.kind, a.stage, a.mb - 1)] if a.mb > 0 else [])
 
-    taken: list[set[int]] = [set() for _ in range(p)]      # ticks of the actions already placed
+    taken: list[set[int]] = [set() for _ in rows]          # ticks of the actions already placed
     phase = "warm-up"
     for a in sorted(when, key=lambda a: (when[a], stage_devices[a.stage])):
         d, t0 = stage_devices[a.stage], when[a]
@@ -149,9 +164,6 @@ def _controlled(name: str, stage_devices, m: int) -> tuple[Schedule, int]:
             del row[t]
             row[t0] = a
         taken[d].add(when[a])
-    schedule = Schedule(name, tuple(stage_devices), m, [_with_ws(row) for row in rows],
-                        split_backward=frozenset(range(n)))
-    return schedule, limit
 
 
 def held_limit(name: str, p: int, m: int) -> int:
