@@ -60,10 +60,12 @@ PIPELINES = (("1f1b", 4, 1, 2), ("1f1b", 8, 1, 2), ("zb1", 4, 1, 2), ("zb1", 8, 
              ("interleaved", 4, 1, 4))
 # Unequal micro-batches (sentences each, adding up to B): small first and last ones shorten the fill and the
 # drain. 8/16/24/16 is the simulated best of best_two_stage_schedules; 8/24/24/8 and 4/28/28/4 are of the shape
-# the planner proposes (mpedu.predict.planner.split_shapes). Each is timed apart from the equal runs: the
+# the planner proposes (mpedu.predict.planner.split_shapes); interleaved 1F1B takes them too (the best equal
+# run under glibc's defaults was interleaved, m = 4). Each is timed apart from the equal runs: the
 # best of each kind runs in every round, so `best_unequal_vs_best_equal` pairs them round by round.
 UNEQUAL = (("1f1b", [8, 16, 24, 16], 1, 2), ("zb1", [8, 16, 24, 16], 1, 2), ("1f1b", [8, 24, 24, 8], 1, 2),
-           ("zb1", [8, 24, 24, 8], 1, 2), ("1f1b", [4, 28, 28, 4], 1, 2))
+           ("zb1", [8, 24, 24, 8], 1, 2), ("1f1b", [4, 28, 28, 4], 1, 2), ("interleaved", [8, 16, 24, 16], 1, 4),
+           ("interleaved", [8, 24, 24, 8], 1, 4))
 CURVE_WIDTHS = (4, 8, 16, 32, 64)     # where the prediction's cost curve is profiled (every width B divides)
 
 

@@ -23,13 +23,14 @@ class CarriedState:
         self.stages, self.micro_batches, self.sizes = stages, micro_batches, sizes
         self.shape = None        # the (T, B) of the batch whose state the stages hold, or None
 
-    def begin(self, batch, chunks: int) -> None:
-        """Before a step: keep the state when this batch carries it on at the same width, else zeros."""
+    def begin(self, batch, chunks: int) -> dict:
+        """Before a step: keep the state when this batch carries it on at the same width, else zeros. Returns
+        Stage.reset's arguments for the step: each device's worker resets its own stages as its job starts
+        (mpedu.core.device_step), the others' meanwhile, not one after the other on the step's critical path."""
         carry = bool(getattr(batch, "carry_state", False))
         keep = carry and self.shape is not None and self.shape[1] == batch.inputs.shape[1]
         self.shape = tuple(batch.inputs.shape) if carry else None
-        for stage in self.stages:
-            stage.reset(keep_state=keep, carry=carry, chunks=chunks)
+        return {"keep_state": keep, "carry": carry, "chunks": chunks}
 
     def forget(self) -> None:
         self.shape = None

@@ -26,9 +26,12 @@ class DeviceStep:
     reads often is bound once (self.note, self.mark, the input slicers) rather than looked up each time."""
 
     def __init__(self, pipe, d: int, row, micro, scale: float, train: bool, mailbox, timeline, t0: float,
-                 key, plan):
+                 key, plan, reset: dict):
         self.device = pipe.devices[d]
         self.stages, self.last = pipe.stages, len(pipe.stages) - 1
+        self.own = [s for s in pipe.stages if s.device.name == self.device.name]
+        self.reset = reset                  # Stage.reset's arguments for this step (mpedu.core.carry)
+        self.nll_sum: float | None = None   # the step's summed NLL, where this device holds the last stage
         self.row, self.scale, self.train = row, scale, train
         self.mailbox, self.timeline, self.t0, self.key = mailbox, timeline, t0, key
         self.starts, self.chunk_starts = plan.starts, plan.chunk_starts     # first column, first time step
@@ -46,12 +49,18 @@ class DeviceStep:
         self.mark = clock.mark
         forward, backward, weight, mailbox = self.forward, self.backward, self.weight, self.mailbox
         try:
+            for stage in self.own:      # the last step's tensors freed, the weights read again (Stage.reset)
+                stage.reset(**self.reset)
             for a in self.row:
                 if mailbox.aborted:
                     raise Aborted
                 kind = a.kind
                 forward(a) if kind == "F" else backward(a) if kind == "B" else weight(a)
             mailbox.finished()   # this device sends nothing more (a receive that waits for it never ends)
+            if self.stages[-1] in self.own:     # the loss's one sync: here, while others may still compute
+                nll = self.stages[-1].nll
+                self.nll_sum = float(torch.stack(list(nll.values())).double().sum())
+                nll.clear()                     # freed now rather than at the next step's start
         finally:
             self.copies.finish()
             # the events are made when someone reads the timeline, not on the step's critical path

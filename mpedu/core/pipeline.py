@@ -7,8 +7,6 @@ import time
 import weakref
 from concurrent.futures import FIRST_EXCEPTION
 
-import torch
-
 from ..lm import dropout
 from ..runtime import streams
 from ..runtime.devices import Device
@@ -98,6 +96,7 @@ class Pipeline(BaseRunner):
         self._workers, self._core_each = start_workers(self.devices)    # a core each: they poll for hand-offs
         self._switching = QuickSwitching if self._core_each else contextlib.nullcontext
         # a worker that is this very thread (CallerThread) runs its job as it is submitted: submitted last
+        self._last_device = self.devices.index(self.stages[-1].device)     # whose job sums the loss
         self._submit_order = sorted(range(len(self.devices)), key=lambda d: self._workers[d].runs_here)
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._stepping = threading.Lock()     # one step at a time: the stages hold one step's tensors
@@ -199,20 +198,21 @@ class Pipeline(BaseRunner):
                                      pin_inputs=self.stages[0].device.is_cuda,
                                      pin_targets=self.stages[-1].device.is_cuda,
                                      sizes=None if plan.equal else plan.sizes)    # equal: one (m, T, b) block
-        self.carry.begin(batch, len(plan.chunk_bounds))
+        reset = self.carry.begin(batch, len(plan.chunk_bounds))
         # the step's dropout Position; each (micro-batch, chunk) draws at its first column and time step
         key = dropout.Position(self.dropout_seed, self.dropout_step) if train else None
         mailbox = Mailbox(self.link, spin=self._core_each, workers=len(actions), describe=sender_of)
         timeline = Timeline([d.name for d in self.devices], micro_batch_sizes=plan.sizes)
         t0 = time.perf_counter()
         callers = streams.caller_streams(self.devices)
-        futures = []
+        futures, jobs = [], {}
         try:
             # Submitted inside the try: a Ctrl-C between two submissions must still abort the jobs
             # already queued, which would otherwise wait for the others' messages for ever.
             for d in self._submit_order:
                 worker = self._workers[d]
-                job = DeviceStep(self, d, actions[d], micro, 1.0 / tokens, train, mailbox, timeline, t0, key, plan)
+                job = jobs[d] = DeviceStep(self, d, actions[d], micro, 1.0 / tokens, train, mailbox, timeline, t0,
+                                           key, plan, reset)
                 futures.append(worker.submit(streams.after(callers.get(worker.device.name), job.run)))
             done, _ = wait_interruptibly(futures, return_when=FIRST_EXCEPTION)
             if any(f.exception() is not None for f in done):
@@ -230,7 +230,7 @@ class Pipeline(BaseRunner):
             raise
         # ...and the caller's next work on each GPU (clip, optimizer step, zero_grad) waits for this step's
         streams.wait_for_workers(callers, self._workers)
-        nll = float(torch.stack(list(self.stages[-1].nll.values())).double().sum())   # one sync, not one per mb
+        nll = jobs[self._last_device].nll_sum        # one sync, not one per micro-batch (DeviceStep.run)
         if train:
             for stage in self.stages:
                 stage.saved.clear()

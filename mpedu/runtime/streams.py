@@ -22,42 +22,44 @@ class MicroBatches:
     into page-locked memory: a copy from there does not block the worker, so it can queue
     work ahead of the GPU; from pageable memory every copy would wait for the GPU.
     On the hot path of every step: one copy per tensor (per micro-batch and tensor when unequal), no mask
-    (the loss skips id 0), and no view made by the caller's thread. The worker that reads a block cuts all
-    its views at its first read, with one call per time chunk (per micro-batch when unequal): every torch
-    call lets go of Python's interpreter lock, and with two workers computing, a call the other is waiting
-    to run after costs the pair several microseconds (five slices per action made near-empty 1F1B 18 us per
-    action slower, five detaches 4 us).
+    (the loss skips id 0), and nothing made by the caller's thread. The worker that reads a tensor copies
+    its block and cuts all its views at its first read, with one call per time chunk (per micro-batch when
+    unequal): the last stage's worker makes the targets' while the first stage computes, off the step's
+    critical path. Every torch call lets go of Python's interpreter lock, and with two workers computing,
+    a call the other is waiting to run after costs the pair several microseconds (five slices per action
+    made near-empty 1F1B 18 us per action slower, five detaches 4 us).
     """
 
     def __init__(self, batch, m: int, chunk_bounds, pin_inputs: bool, pin_targets: bool, sizes=None):
-        T, B = batch.inputs.shape        # the caller has checked that m divides B, or that the sizes add up to B
-
-        def block(x, pin):
-            x = x.reshape(T, m, B // m).transpose(0, 1)                      # (m, T, b), a view
-            return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x) if pin else x.contiguous()
-
-        def blocks(x, pin):
-            flat, parts, lo = torch.empty(T * B, dtype=x.dtype, pin_memory=pin), [], 0
-            for b in sizes:                                    # (T, b) of the buffer, from columns lo .. lo+b-1
-                parts.append(flat[T * lo:T * (lo + b)].view(T, b).copy_(x[:, lo:lo + b]))
-                lo += b
-            return parts
-
-        cut = block if sizes is None else blocks
-        self._inputs, self._targets = cut(batch.inputs, pin_inputs), cut(batch.targets, pin_targets)
+        # the caller has checked that m divides B, or that the sizes add up to B, and waits while workers read
+        self._sources = {"inputs": (batch.inputs, pin_inputs), "targets": (batch.targets, pin_targets)}
+        self._m, self._sizes = m, sizes
         self.chunk_bounds = chunk_bounds
         self._views: dict[str, list] = {}      # "inputs" / "targets" -> [chunk][mb] (t, b) views
 
     def inputs(self, mb: int, chunk: int = 0) -> torch.Tensor:
-        return self._cut("inputs", self._inputs)[chunk][mb]
+        return self._cut("inputs")[chunk][mb]
 
     def targets(self, mb: int, chunk: int = 0) -> torch.Tensor:
-        return self._cut("targets", self._targets)[chunk][mb]
+        return self._cut("targets")[chunk][mb]
 
-    def _cut(self, name: str, block) -> list:
+    def _block(self, name: str):
+        """The (m, T, b) block of equal micro-batches, or the list of (T, b_i) blocks of unequal ones."""
+        x, pin = self._sources[name]
+        T, B = x.shape
+        if self._sizes is None:
+            x = x.reshape(T, self._m, B // self._m).transpose(0, 1)                      # (m, T, b), a view
+            return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x) if pin else x.contiguous()
+        flat, parts, lo = torch.empty(T * B, dtype=x.dtype, pin_memory=pin), [], 0
+        for b in self._sizes:                                 # (T, b) of the buffer, from columns lo .. lo+b-1
+            parts.append(flat[T * lo:T * (lo + b)].view(T, b).copy_(x[:, lo:lo + b]))
+            lo += b
+        return parts
+
+    def _cut(self, name: str) -> list:
         views = self._views.get(name)
-        if views is None:        # one worker reads each block (stage 0's the inputs, the last stage's the targets)
-            lengths = [hi - lo for lo, hi in self.chunk_bounds]
+        if views is None:        # one worker reads each tensor (stage 0's the inputs, the last stage's the targets)
+            block, lengths = self._block(name), [hi - lo for lo, hi in self.chunk_bounds]
             if isinstance(block, list):             # unequal: a (T, b_i) block per micro-batch
                 views = [list(c) for c in zip(*(part.split(lengths) for part in block))]
             else:

@@ -286,6 +286,8 @@ def wait_interruptibly(futures, return_when=ALL_COMPLETED):
     it sleeps until the step ends, and the interrupt comes late or not at all. So it wakes every
     CHECK_SIGNALS_S to run a pending handler (a wake-up 20 times a second costs nothing measurable).
     """
+    if all(f.done() for f in futures):     # often so: the caller's thread played the device that ends last
+        return set(futures), set()
     while True:
         done, pending = wait(futures, timeout=CHECK_SIGNALS_S, return_when=return_when)
         if not pending or (return_when == FIRST_EXCEPTION
