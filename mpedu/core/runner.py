@@ -172,9 +172,10 @@ def check_batch(batch, vocab_size: int) -> int:
 
 def check_layers(model, stages) -> None:
     """The stages run the layers they were given: one the model has swapped for another since would not train."""
+    now = model.layers._modules            # the ModuleDict's own dict: no __getitem__ per layer, every step
     for stage in stages:
         for name, layer in zip(stage.names, stage.layers):
-            if model.layers[name] is not layer:
+            if now.get(name) is not layer:
                 raise RuntimeError(f"the model's layer {name!r} was replaced after this Pipeline was built, "
                                    "which would go on running the old one; build a new Pipeline on the model")
 
