@@ -144,6 +144,39 @@ def test_a_failure_stops_the_other_devices_early(monkeypatch):
     assert len(ran) < 8
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb1"])
+def test_a_worker_that_fails_while_the_callers_device_waits_for_it_ends_the_step_with_its_error(monkeypatch,
+                                                                                                  schedule):
+    """With a core per device the caller's thread plays vgpu:0 itself (CallerThread), and waits in a receive for
+    what vgpu:1's worker sends. Until 2026-12-07 a stage failing there left the caller waiting for ever: the
+    failed worker neither sent nor said it had finished. Now a failed device aborts the step's mailbox."""
+    batch = make_batch(B=16)
+    model = tiny_model()
+    original = Stage.forward
+
+    def failing(self, mb, chunk, *args, **kwargs):
+        if self.index == 1 and mb == 1:
+            raise Injected("stage 1 fails on micro-batch 1")
+        return original(self, mb, chunk, *args, **kwargs)
+
+    outcome = []
+
+    def step():                  # in a thread of its own, so that a hang fails the test instead of the suite
+        with Pipeline(model, BALANCED, schedule, micro_batches=4) as pipe:
+            monkeypatch.setattr(Stage, "forward", failing)
+            try:
+                pipe.train_step(batch)
+            except Injected as e:
+                outcome.append(e)
+            monkeypatch.undo()
+            outcome.append(pipe.train_step(batch).loss)       # and the pipeline steps again
+    stepper = threading.Thread(target=step, daemon=True)
+    stepper.start()
+    stepper.join(timeout=60)
+    assert not stepper.is_alive(), "the step waited for ever for the failed device"
+    assert isinstance(outcome[0], Injected) and outcome[1] == pytest.approx(reference(model, batch)[0], rel=1e-6)
+
+
 @pytest.fixture
 def python_handles_ctrl_c():
     """Python's own SIGINT handler (KeyboardInterrupt), as in a terminal or Jupyter. A process started in the
@@ -422,7 +455,7 @@ def test_an_edit_that_still_runs_is_checked_once_and_played(batch):
     with pipe:
         pipe.schedule.actions[0][:4] = [S.F(0, 1), S.F(0, 0), S.F(0, 2), S.F(0, 3)]          # 0F1 before 0F0
         first = pipe.train_step(batch).loss
-        assert pipe.schedule._checked == pipe.schedule._fingerprint()
+        assert pipe.schedule._checked[0] == pipe.schedule.actions       # checked once, as edited
         assert pipe.train_step(batch).loss == first
 
 

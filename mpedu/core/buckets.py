@@ -23,6 +23,7 @@ class BucketPlan:
     B: int
     sizes: tuple[int, ...]
     chunk_bounds: list[tuple[int, int]]
+    micro: streams.MicroBatches | None = None    # the blocks each step's batch is copied into, and their views
     steps: int = 0      # how many steps used this plan
     starts: list[int] = field(init=False)     # each micro-batch's first column: where its dropout masks start
     chunk_starts: list[int] = field(init=False)   # each time chunk's first time step
@@ -69,8 +70,12 @@ def plan_bucket(pipe, batch) -> BucketPlan:
             f"{format_duration(seconds)}, and a step waits for them; mpedu refuses a link slower than "
             f"{LINK_LIMIT_S:g} s of transfers a step. A typo? '1ms,1GB/s' is 1 ms + bytes / (1 GB/s); "
             f"'10gbe/100' is 10 Gb Ethernet slowed 100x")
-    return BucketPlan(T, B, sizes or (B // pipe.micro_batches,) * pipe.micro_batches,
-                      streams.chunk_bounds(T, pipe.chunks))
+    m = pipe.micro_batches
+    plan = BucketPlan(T, B, sizes or (B // m,) * m, streams.chunk_bounds(T, pipe.chunks))
+    plan.micro = streams.MicroBatches(T, B, m, plan.chunk_bounds, sizes=None if plan.equal else plan.sizes,
+                                      pin_inputs=pipe.stages[0].device.is_cuda,
+                                      pin_targets=pipe.stages[-1].device.is_cuda)
+    return plan
 
 
 LINK_LIMIT_S = 60.0     # seconds of hand-offs a step may need on an emulated link: more is a typo, not a lesson

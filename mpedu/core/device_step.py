@@ -15,6 +15,7 @@ import torch
 
 from ..runtime.clock import Clock
 from .mailbox import Aborted
+from .runner import count_targets
 from .schedules import Action
 from .timeline import Mark, new_mark
 
@@ -25,14 +26,27 @@ class DeviceStep:
     On the step's critical path: each action costs a few microseconds of Python here, so what a method
     reads often is bound once (self.note, self.mark, the input slicers) rather than looked up each time."""
 
-    def __init__(self, pipe, d: int, row, micro, scale: float, train: bool, mailbox, timeline, t0: float,
-                 key, plan, reset: dict):
+    @classmethod
+    def play(cls, *args) -> "DeviceStep":
+        """Made and run on the device's own thread, so that the caller's thread, which starts the first device,
+        only hands out the step's shared parts: the DeviceStep, with the step's tokens and summed NLL where it
+        holds the last stage."""
+        job = cls(*args)
+        job.run()
+        return job
+
+    def __init__(self, pipe, d: int, row, batch, micro, train: bool, mailbox, timeline, t0: float, key, plan,
+                 reset: dict):
         self.device = pipe.devices[d]
         self.stages, self.last = pipe.stages, len(pipe.stages) - 1
         self.own = [s for s in pipe.stages if s.device.name == self.device.name]
         self.reset = reset                  # Stage.reset's arguments for this step (mpedu.core.carry)
-        self.nll_sum: float | None = None   # the step's summed NLL, where this device holds the last stage
-        self.row, self.scale, self.train = row, scale, train
+        # where this device holds the last stage: it checks the batch's targets and counts its tokens (the loss is
+        # scaled by 1 / tokens), and sums the step's NLL
+        self.holds_loss, self.batch, self.vocab_size = pipe.stages[-1] in self.own, batch, pipe.model.vocab_size
+        self.tokens: int | None = None
+        self.nll_sum: float | None = None
+        self.row, self.scale, self.train = row, 1.0, train
         self.mailbox, self.timeline, self.t0, self.key = mailbox, timeline, t0, key
         self.starts, self.chunk_starts = plan.starts, plan.chunk_starts     # first column, first time step
         self.split = pipe.schedule.split_backward       # stages whose backward leaves W for later
@@ -49,6 +63,9 @@ class DeviceStep:
         self.mark = clock.mark
         forward, backward, weight, mailbox = self.forward, self.backward, self.weight, self.mailbox
         try:
+            if self.holds_loss:     # checked here, while the first stage computes: the caller checked the inputs
+                self.tokens = count_targets(self.batch, self.vocab_size)
+                self.scale = 1.0 / self.tokens
             for stage in self.own:      # the last step's tensors freed, the weights read again (Stage.reset)
                 stage.reset(**self.reset)
             for a in self.row:
@@ -57,10 +74,15 @@ class DeviceStep:
                 kind = a.kind
                 forward(a) if kind == "F" else backward(a) if kind == "B" else weight(a)
             mailbox.finished()   # this device sends nothing more (a receive that waits for it never ends)
-            if self.stages[-1] in self.own:     # the loss's one sync: here, while others may still compute
+            if self.holds_loss:     # the loss's one sync: here, while others may still compute
                 nll = self.stages[-1].nll
                 self.nll_sum = float(torch.stack(list(nll.values())).double().sum())
                 nll.clear()                     # freed now rather than at the next step's start
+        except BaseException:
+            # the other devices stop waiting for what this one will never send: one of them may be the caller's
+            # thread (CallerThread), which would otherwise wait for ever and never see this error
+            mailbox.abort()
+            raise
         finally:
             self.copies.finish()
             # the events are made when someone reads the timeline, not on the step's critical path

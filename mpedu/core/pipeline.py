@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -19,7 +20,7 @@ from .device_step import DeviceStep, sender_of
 from .mailbox import Aborted, Mailbox
 from .placement import Placement, as_placement
 from .recompute import describe_modes, recompute_modes, recompute_table
-from .runner import BaseRunner, StepInterrupted, StepResult, check_batch, check_layers, checked_schedule
+from .runner import BaseRunner, StepInterrupted, StepResult, check_inputs, check_layers, checked_schedule
 from .schedules import Action, Schedule
 from .stage import Stage
 from .timeline import Timeline
@@ -96,8 +97,9 @@ class Pipeline(BaseRunner):
         self._workers, self._core_each = start_workers(self.devices)    # a core each: they poll for hand-offs
         self._switching = QuickSwitching if self._core_each else contextlib.nullcontext
         # a worker that is this very thread (CallerThread) runs its job as it is submitted: submitted last
-        self._last_device = self.devices.index(self.stages[-1].device)     # whose job sums the loss
         self._submit_order = sorted(range(len(self.devices)), key=lambda d: self._workers[d].runs_here)
+        # whose job (in submit order) plays the last stage: its DeviceStep counts the tokens and sums the loss
+        self._loss_job = self._submit_order.index(self.devices.index(self.stages[-1].device))
         self._finalizer = weakref.finalize(self, stop_workers, self._workers)
         self._stepping = threading.Lock()     # one step at a time: the stages hold one step's tensors
         # Dropout masks are a function of (seed, step, layer, sequence, time step): see mpedu.lm.dropout. Each
@@ -174,30 +176,28 @@ class Pipeline(BaseRunner):
                                "time (its stages hold that step's activations): wait for it, or build a second "
                                "Pipeline on other devices")
         try:
-            tokens, plan = self._prepare(batch, train)
+            plan = self._prepare(batch, train)
             with self._switching():       # workers with a core each: the interpreter lock changes hands quickly
-                return self._run(batch, tokens, plan, actions, train)
+                return self._run(batch, plan, actions, train)
         finally:
             self._stepping.release()
 
     def _prepare(self, batch, train: bool):
-        """Everything checked before a worker runs: the pipeline, the batch, the installed checks."""
+        """Everything checked before a worker runs: the pipeline, the batch's inputs (its targets: the last stage's
+        worker, mpedu.core.device_step), the installed checks."""
         if not self._finalizer.alive:
             raise RuntimeError("this Pipeline is closed; build a new one")
-        tokens = check_batch(batch, self.model.vocab_size)
+        check_inputs(batch, self.model.vocab_size)
         check_layers(self.model, self.stages)
         plan = self.bucket_plan(batch)
         for check in self.before_training_step if train else ():
             check(batch)
         plan.steps += 1
-        return tokens, plan
+        return plan
 
-    def _run(self, batch, tokens: int, plan: "BucketPlan", actions, train: bool) -> StepResult:
+    def _run(self, batch, plan: "BucketPlan", actions, train: bool) -> StepResult:
         """Every device plays its row at once; the caller waits (Ctrl-C still reaches it)."""
-        micro = streams.MicroBatches(batch, self.micro_batches, plan.chunk_bounds,
-                                     pin_inputs=self.stages[0].device.is_cuda,
-                                     pin_targets=self.stages[-1].device.is_cuda,
-                                     sizes=None if plan.equal else plan.sizes)    # equal: one (m, T, b) block
+        micro = plan.micro.load(batch)      # this step's batch, copied into the bucket's blocks as first read
         reset = self.carry.begin(batch, len(plan.chunk_bounds))
         # the step's dropout Position; each (micro-batch, chunk) draws at its first column and time step
         key = dropout.Position(self.dropout_seed, self.dropout_step) if train else None
@@ -205,15 +205,15 @@ class Pipeline(BaseRunner):
         timeline = Timeline([d.name for d in self.devices], micro_batch_sizes=plan.sizes)
         t0 = time.perf_counter()
         callers = streams.caller_streams(self.devices)
-        futures, jobs = [], {}
+        futures = []
         try:
             # Submitted inside the try: a Ctrl-C between two submissions must still abort the jobs
             # already queued, which would otherwise wait for the others' messages for ever.
             for d in self._submit_order:
                 worker = self._workers[d]
-                job = jobs[d] = DeviceStep(self, d, actions[d], micro, 1.0 / tokens, train, mailbox, timeline, t0,
-                                           key, plan, reset)
-                futures.append(worker.submit(streams.after(callers.get(worker.device.name), job.run)))
+                play = functools.partial(DeviceStep.play, self, d, actions[d], batch, micro, train, mailbox, timeline,
+                                         t0, key, plan, reset)
+                futures.append(worker.submit(streams.after(callers.get(worker.device.name), play)))
             done, _ = wait_interruptibly(futures, return_when=FIRST_EXCEPTION)
             if any(f.exception() is not None for f in done):
                 mailbox.abort()
@@ -230,7 +230,8 @@ class Pipeline(BaseRunner):
             raise
         # ...and the caller's next work on each GPU (clip, optimizer step, zero_grad) waits for this step's
         streams.wait_for_workers(callers, self._workers)
-        nll = jobs[self._last_device].nll_sum        # one sync, not one per micro-batch (DeviceStep.run)
+        last = futures[self._loss_job].result()         # the last stage's DeviceStep
+        nll, tokens = last.nll_sum, last.tokens       # one sync, not one per micro-batch (DeviceStep.run)
         if train:
             for stage in self.stages:
                 stage.saved.clear()

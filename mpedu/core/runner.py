@@ -134,10 +134,15 @@ def check_carried(state, model) -> int:
 
 def check_batch(batch, vocab_size: int) -> int:
     """Refuse a batch the model cannot read, naming what is wrong, before torch fails deep inside;
-    return its real (non-padding) target tokens.
+    return its real (non-padding) target tokens. Two parts, each where a Pipeline needs it: `check_inputs`
+    (the caller, before any worker runs) and `count_targets` (the last stage's worker, while the first computes)."""
+    check_inputs(batch, vocab_size)
+    return count_targets(batch, vocab_size)
 
-    Two min-and-max passes, a compare and a sum per step: cheap next to the step itself.
-    """
+
+def check_inputs(batch, vocab_size: int) -> None:
+    """The batch's fields, their shapes and dtypes, and the input ids' range: what stage 0 must read (on a GPU
+    an id outside the vocabulary stops the device, not only the step). A min-and-max pass."""
     inputs, targets, mask = (getattr(batch, k, None) for k in ("inputs", "targets", "mask"))
     if not all(torch.is_tensor(t) for t in (inputs, targets, mask)):
         fields = {"inputs": inputs, "targets": targets, "mask": mask}
@@ -151,12 +156,14 @@ def check_batch(batch, vocab_size: int) -> int:
         if t.dtype not in dtypes:
             raise ValueError(f"batch {what} must be token ids of dtype {' or '.join(map(str, dtypes))}, got "
                              f"{t.dtype}" + ("; convert with .long()" if not t.is_floating_point() else ""))
-    (lo_in, hi_in), (lo_out, hi_out) = torch.aminmax(inputs), torch.aminmax(targets)    # one pass each
-    lo, hi = min(int(lo_in), int(lo_out)), max(int(hi_in), int(hi_out))
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"the batch holds token id {bad}, but the model's vocabulary has ids 0..{vocab_size - 1}; "
-                         "were the batches made with another vocabulary?")
+    _check_ids(inputs, vocab_size)
+
+
+def count_targets(batch, vocab_size: int) -> int:
+    """The target ids' range and the mask (of a batch check_inputs passed); the real target tokens, at least one.
+    A min-and-max pass, a compare and a sum."""
+    targets, mask = batch.targets, batch.mask
+    _check_ids(targets, vocab_size)
     # The loss skips <pad> (id 0) targets whatever the mask says, and is divided by the mask's count:
     # a mask that disagrees would scale every gradient wrongly, without a word.
     real = targets != PAD_ID
@@ -168,6 +175,14 @@ def check_batch(batch, vocab_size: int) -> int:
     if tokens == 0:
         raise ValueError("the batch has no real (non-padding) target tokens")
     return tokens
+
+
+def _check_ids(ids: torch.Tensor, vocab_size: int) -> None:
+    lo, hi = (int(v) for v in torch.aminmax(ids))       # one pass
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"the batch holds token id {bad}, but the model's vocabulary has ids 0..{vocab_size - 1}; "
+                         "were the batches made with another vocabulary?")
 
 
 def check_layers(model, stages) -> None:

@@ -117,16 +117,16 @@ class Stage:
         # what the step's forwards and backwards read of the weights and the layers, fixed for the step
         self._trained = [p for p in params if p.requires_grad]
         self._flags = (tuple(p.requires_grad for p in params), tuple(m.training for m in self.layers))
-        storages = [p.untyped_storage().data_ptr() for p in params]
         # the same weights, in the same memory, as at the last step: nothing to redo (the ids are of weights
-        # self._all_params still holds, so none of them can have been reused by a new one)
-        seen = ([id(p) for p in params], storages)
+        # self._all_params still holds, so none of them can have been reused by a new one; a tensor's own
+        # data_ptr, not its storage's: asking for the storage makes an object per weight, every step)
+        seen = ([id(p) for p in params], [p.data_ptr() for p in params])
         if self._weights_seen == seen:
             return
         self._weights_seen = seen
         self._all_params = params
         self._weights_in_b = {id(p) for layer in self.layers[:self._last_recurrent + 1] for p in _parameters(layer)}
-        self._param_storages = set(storages)
+        self._param_storages = {p.untyped_storage().data_ptr() for p in params}
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

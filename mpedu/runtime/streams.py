@@ -11,62 +11,79 @@ def chunk_bounds(T: int, chunks: int) -> list[tuple[int, int]]:
 
 
 class MicroBatches:
-    """A step's micro-batches on the host, and their (t, b) views per time chunk. Equal ones: one (m, T, b)
-    block per tensor, micro-batch i being columns i*b .. (i+1)*b - 1 of the batch. Unequal ones (`sizes`):
-    one buffer per tensor holding each micro-batch's (T, b_i) columns as a contiguous block, one after
-    the other, so that every micro-batch's views are contiguous as the equal split's are.
+    """A bucket's micro-batches on the host: per tensor one block, made once per batch shape, that each
+    step's batch is copied into, and its (t, b) views per time chunk, cut once. Equal micro-batches: an
+    (m, T, b) block, micro-batch i being columns i*b .. (i+1)*b - 1 of the batch. Unequal ones (`sizes`):
+    one buffer holding each micro-batch's (T, b_i) columns as a contiguous block, one after the other, so
+    that every micro-batch's views are contiguous as the equal split's are.
 
         sizes (1, 3, 2, 2) of a (T, 8) batch:   buffer [ (T, 1) | (T, 3) | (T, 2) | (T, 2) ]
 
-    A block a GPU reads (the first stage's token ids, the last stage's targets) is copied once
-    into page-locked memory: a copy from there does not block the worker, so it can queue
-    work ahead of the GPU; from pageable memory every copy would wait for the GPU.
-    On the hot path of every step: one copy per tensor (per micro-batch and tensor when unequal), no mask
-    (the loss skips id 0), and nothing made by the caller's thread. The worker that reads a tensor copies
-    its block and cuts all its views at its first read, with one call per time chunk (per micro-batch when
-    unequal): the last stage's worker makes the targets' while the first stage computes, off the step's
-    critical path. Every torch call lets go of Python's interpreter lock, and with two workers computing,
-    a call the other is waiting to run after costs the pair several microseconds (five slices per action
-    made near-empty 1F1B 18 us per action slower, five detaches 4 us).
+    A block a GPU reads (the first stage's token ids, the last stage's targets) is page-locked: a copy
+    from there does not block the worker, so it can queue work ahead of the GPU; from pageable memory
+    every copy would wait for the GPU.
+
+    On the hot path of every step: `load(batch)` on the caller's thread (no torch call), then, at its
+    first read, the worker that reads a tensor (stage 0's the inputs, the last stage's the targets)
+    copies it into its block: one copy (one per micro-batch when unequal), no new tensor. The last
+    stage's worker does it while the first stage computes, off the step's critical path. Every torch call
+    lets go of Python's interpreter lock, and with two workers computing, a call the other is waiting to
+    run after costs the pair several microseconds (five slices per action made near-empty 1F1B 18 us per
+    action slower; cutting a step's 32 views afresh each step cost its first action 50 us). Reusing the
+    blocks is safe because a pipeline runs one step at a time and every graph that reads a view ends with
+    its step (a stage's reset drops a failed step's before the next copy).
     """
 
-    def __init__(self, batch, m: int, chunk_bounds, pin_inputs: bool, pin_targets: bool, sizes=None):
-        # the caller has checked that m divides B, or that the sizes add up to B, and waits while workers read
-        self._sources = {"inputs": (batch.inputs, pin_inputs), "targets": (batch.targets, pin_targets)}
-        self._m, self._sizes = m, sizes
+    def __init__(self, T: int, B: int, m: int, chunk_bounds, pin_inputs: bool, pin_targets: bool, sizes=None):
+        self._shape, self._m, self._sizes = (T, B), m, sizes
+        self._pin = {"inputs": pin_inputs, "targets": pin_targets}
         self.chunk_bounds = chunk_bounds
-        self._views: dict[str, list] = {}      # "inputs" / "targets" -> [chunk][mb] (t, b) views
+        self._blocks: dict[str, tuple] = {}     # "inputs" / "targets" -> (block, [chunk][mb] (t, b) views)
+        self._batch, self._fresh = None, {}
+
+    def load(self, batch) -> "MicroBatches":
+        """This step's batch (the caller has checked its shape): each tensor is copied at its first read."""
+        self._batch, self._fresh = batch, {}
+        return self
 
     def inputs(self, mb: int, chunk: int = 0) -> torch.Tensor:
-        return self._cut("inputs")[chunk][mb]
+        views = self._fresh.get("inputs")
+        return (views if views is not None else self._copy("inputs"))[chunk][mb]
 
     def targets(self, mb: int, chunk: int = 0) -> torch.Tensor:
-        return self._cut("targets")[chunk][mb]
+        views = self._fresh.get("targets")
+        return (views if views is not None else self._copy("targets"))[chunk][mb]
 
-    def _block(self, name: str):
-        """The (m, T, b) block of equal micro-batches, or the list of (T, b_i) blocks of unequal ones."""
-        x, pin = self._sources[name]
-        T, B = x.shape
+    def _copy(self, name: str) -> list:
+        """Copy the step's `name` into its block (made at the first step, or when the dtype changes); its views."""
+        x = getattr(self._batch, name)
+        block, views = self._blocks.get(name, (None, None))
+        if block is None or block[0].dtype != x.dtype:
+            block, views = self._blocks[name] = self._make(x.dtype, self._pin[name])
+        (T, B), m = self._shape, self._m
         if self._sizes is None:
-            x = x.reshape(T, self._m, B // self._m).transpose(0, 1)                      # (m, T, b), a view
-            return torch.empty(x.shape, dtype=x.dtype, pin_memory=True).copy_(x) if pin else x.contiguous()
-        flat, parts, lo = torch.empty(T * B, dtype=x.dtype, pin_memory=pin), [], 0
-        for b in self._sizes:                                 # (T, b) of the buffer, from columns lo .. lo+b-1
-            parts.append(flat[T * lo:T * (lo + b)].view(T, b).copy_(x[:, lo:lo + b]))
-            lo += b
-        return parts
-
-    def _cut(self, name: str) -> list:
-        views = self._views.get(name)
-        if views is None:        # one worker reads each tensor (stage 0's the inputs, the last stage's the targets)
-            block, lengths = self._block(name), [hi - lo for lo, hi in self.chunk_bounds]
-            if isinstance(block, list):             # unequal: a (T, b_i) block per micro-batch
-                views = [list(c) for c in zip(*(part.split(lengths) for part in block))]
-            else:
-                chunks = [block] if len(lengths) == 1 else block.split(lengths, dim=1)     # (m, t, b) each
-                views = [c.unbind(0) for c in chunks]
-            self._views[name] = views
+            block[0].copy_(x.reshape(T, m, B // m).transpose(0, 1))          # (m, T, b) from the (T, B) batch
+        else:
+            lo = 0
+            for part, b in zip(block, self._sizes):          # (T, b) of the buffer, from columns lo .. lo+b-1
+                part.copy_(x[:, lo:lo + b])
+                lo += b
+        self._fresh[name] = views
         return views
+
+    def _make(self, dtype, pin: bool) -> tuple[list, list]:
+        """([the (m, T, b) block] or the (T, b_i) blocks of one buffer, [chunk][mb] (t, b) views of them)."""
+        (T, B), m, sizes = self._shape, self._m, self._sizes
+        lengths = [hi - lo for lo, hi in self.chunk_bounds]
+        if sizes is None:
+            block = torch.empty((m, T, B // m), dtype=dtype, pin_memory=pin)
+            chunks = [block] if len(lengths) == 1 else block.split(lengths, dim=1)     # (m, t, b) each
+            return [block], [c.unbind(0) for c in chunks]
+        flat, parts, lo = torch.empty(T * B, dtype=dtype, pin_memory=pin), [], 0
+        for b in sizes:
+            parts.append(flat[T * lo:T * (lo + b)].view(T, b))
+            lo += b
+        return parts, [list(c) for c in zip(*(part.split(lengths) for part in parts))]
 
 
 def caller_streams(devices) -> dict:

@@ -62,10 +62,6 @@ def _prctl():
         return None
 
 
-def _nothing() -> None:
-    """Nothing to give back."""
-
-
 def start_device(device: Device):
     """Prepare the calling thread to run `device`'s work; return its CUDA stream (None off a GPU).
 
@@ -183,21 +179,26 @@ class CallerThread:
     per step, and something worse: glibc serves another thread from an arena of heaps of at most
     64 MiB, so a larger tensor (the 90 MB logits of an `mxnet8` batch) is mapped afresh and faulted
     in page by page at every step (mpedu.runtime.allocator). The calling thread's memory obeys the
-    settings mpedu makes. The first of several virtual devices with a core each (`core`): the caller
+    settings mpedu makes. The first of several virtual devices with a core each (`polls`): the caller
     would only wait for the step anyway, and two wake-ups a step are saved, the first worker's at
     the start and the caller's own at the end (each a futex and a cross-core interrupt, 50-150 us on
-    a VM). During a job the thread is pinned to `core` with a fine timer, as a Worker is, and both
-    are given back after it. Its jobs run single-threaded, as on any virtual device: torch's thread
-    count is 1 during a job and restored after it (setting it costs well under a microsecond).
+    a VM). Its receives then poll with 10 us naps, as a pinned Worker's do, so the thread gets a fine timer
+    the first time it plays, and keeps it (its sleeps end on time instead of up to 50 us late; nothing else
+    about the thread changes). It is not pinned: the other workers are pinned to the other cores, and the
+    scheduler leaves it on the free one. Pinning it to its core for each step and giving back its cores and
+    timer after cost five system calls a step, 50-80 us in a cold step; near-empty 1F1B measured 1 us per
+    action faster without them, rounds in turn in one process. Its jobs run single-threaded, as on any
+    virtual device: torch's thread count is 1 during a job and restored after it (setting it costs well
+    under a microsecond).
     """
 
     stream = None
     runs_here = True         # `submit` runs the job on the calling thread before it returns
 
-    def __init__(self, device: Device, core: int | None = None):
+    def __init__(self, device: Device, polls: bool = False):
         if not device.virtual:
             raise ValueError(f"only a virtual device runs on the calling thread, not {device}")
-        self.device, self._core = device, core
+        self.device, self._polls = device, polls
         self.alive = True          # until stop(), as a Worker's thread
 
     def submit(self, fn) -> Future:
@@ -207,35 +208,24 @@ class CallerThread:
         future.set_running_or_notify_cancel()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        given_back = self._pin()
+        if self._polls and not getattr(_fine_timers, "set", False):
+            _fine_timers.set = fine_timer() or True     # (True where there is no timer slack to set: not Linux)
         try:
             future.set_result(fn())
         except BaseException as exc:    # Ctrl-C included: the caller reads it from the future, as from a Worker
             future.set_exception(exc)
         finally:
             torch.set_num_threads(threads)
-            given_back()
         return future
-
-    def _pin(self):
-        """Pin the calling thread to the device's core with a fine timer; return what gives both back."""
-        if self._core is None:
-            return _nothing
-        cores, slack = os.sched_getaffinity(0), _timer_slack()
-        os.sched_setaffinity(0, {self._core})
-        fine_timer()
-
-        def given_back():
-            os.sched_setaffinity(0, cores)
-            if slack is not None:
-                _timer_slack(slack)
-        return given_back
 
     def stop(self, wait: bool = True) -> None:
         self.alive = False
 
     def join(self) -> None:
         pass
+
+
+_fine_timers = threading.local()     # .set: this thread has played a polling CallerThread's device (its fine timer)
 
 
 class QuickSwitching:
@@ -324,14 +314,14 @@ def start_workers(devices: list[Device]) -> tuple[list, bool]:
     hand-off instead of sleeping (no one else needs that core). A lone virtual device runs on the
     caller's thread (CallerThread: there is nothing to overlap). If one cannot start (a GPU), the
     workers already started are stopped before the error goes on. With a core each, the first device
-    runs on the caller's thread too, pinned to its core during a step (CallerThread): submit its job last."""
+    runs on the caller's thread too (CallerThread): submit its job last."""
     cores = own_cores(devices) if len(devices) > 1 else None
     lone = len(devices) == 1 and devices[0].virtual
     workers = []
     try:
         for k, device in enumerate(devices):
-            if lone or (cores and k == 0):      # the caller plays the first device, pinned to its core
-                workers.append(CallerThread(device, core=cores[0] if cores else None))
+            if lone or (cores and k == 0):      # the caller plays the first device; the others keep off its core
+                workers.append(CallerThread(device, polls=bool(cores)))
             else:
                 workers.append(Worker(device, core=cores[k] if cores else None))
     except BaseException:
