@@ -17,13 +17,16 @@ instead of ~17, its actions' own times swelling alike, while one device's run be
 does not change (cross-core traffic of two threads: hand-overs of the interpreter lock,
 reference counts of shared objects). Rounds in turn let one phase touch every schedule
 alike, and the median keeps it from being the headline; each round's figures are printed.
-Beside each round, the floor under the two-device figures (`floor_us_per_action`): the same
+Beside mpedu's 1F1B, the floor under the two-device figures (`floor_us_per_action`): the same
 layers in the same 1F1B order on two pinned workers, hand-rolled with nothing of mpedu's
 (no stages, mailbox keys, timeline, dropout positions; a hand-off is a dict polled with the
 Mailbox's naps), timed and replayed the same way. It is what two Python threads handing
 near-empty work back and forth cost on this machine at that moment, mostly hand-overs of the
 interpreter lock; in this VM's slow phases it rises from ~8-10 to ~18-20 us itself, and mpedu's
-figures with it. `over_floor_us_per_action` is mpedu's 1F1B minus the floor, round by round.
+figures with it. Its steps are taken in turn with mpedu's 1F1B steps (mpedu, floor, floor at 10 us,
+mpedu, ...), so that each pair sees the same seconds of the VM: timed a round apart, a round's
+difference moved from -6 to 30 us within one run. `over_floor_us_per_action` is mpedu's 1F1B minus
+the floor, round by round (each side the median of its steps in the round).
 mpedu's step differs from the floor's harness in two ways it chose (mpedu.runtime.workers): the caller's thread
 plays the first device (CallerThread: two thread wake-ups a step fewer), and during a step the interpreter
 lock changes hands after 10 us instead of 5 ms (QuickSwitching: a receiver no longer waits for the sender's
@@ -52,35 +55,36 @@ from mpedu.core import Pipeline, POLL_NAP_S, one_f_one_b, run_order  # noqa: E40
 from mpedu.lm import LSTMLM, LMConfig, nll_sum  # noqa: E402
 
 
-def overhead_per_action(pipe, batch, repeats: int) -> tuple[float, float, int]:
-    """Median over steps of (wall time - ideal replay) / actions per device."""
-    for _ in range(3):
-        pipe.train_step(batch)
-    samples, walls = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tl = pipe.train_step(batch).timeline
-        wall = time.perf_counter() - start
-        took = {(e.device, e.kind, e.stage, e.mb, e.chunk): e.duration for e in tl.compute()}
-        names = tl.devices
-        ideal = max(end for *_, end in run_order(
-            pipe.schedule, cost=lambda d, a: took[names[d], a.kind, a.stage, a.mb, a.chunk]))
-        per_device = len(tl.compute()) / len(names)
-        samples.append((wall - ideal) / per_device)
-        walls.append(wall)
-    return statistics.median(samples), statistics.median(walls), len(tl.compute())
+def step_overhead(pipe, batch) -> tuple[float, float, int]:
+    """One step's (wall time - ideal replay) / actions per device, its wall time and its actions."""
+    start = time.perf_counter()
+    tl = pipe.train_step(batch).timeline
+    wall = time.perf_counter() - start
+    took = {(e.device, e.kind, e.stage, e.mb, e.chunk): e.duration for e in tl.compute()}
+    names = tl.devices
+    ideal = max(end for *_, end in run_order(
+        pipe.schedule, cost=lambda d, a: took[names[d], a.kind, a.stage, a.mb, a.chunk]))
+    actions = len(tl.compute())
+    return (wall - ideal) / (actions / len(names)), wall, actions
 
 
-def floor_per_action(model, batch, m: int, repeats: int, workers, switch_s: float | None = None) -> float:
+class Floor:
     """The floor: `model`'s layers as two stages (embed, lstm0 | lstm1, decode) in 1F1B order on `workers`,
     each action only its layers' calls, each hand-off a dict entry the receiver polls for with the Mailbox's
-    naps. Median over steps of (wall time - ideal replay of its own action times) / actions per device."""
-    layers = model.layers
-    schedule = one_f_one_b([0, 1], m)
-    tokens, targets = (t.reshape(t.shape[0], m, -1).transpose(0, 1).unbind(0) for t in (batch.inputs, batch.targets))
-    weights = [[p for n in names for p in layers[n].parameters()] for names in (("embed", "lstm0"), ("lstm1", "decode"))]
+    naps. `step(switch_s)` gives one step's (wall time - ideal replay of its own action times) / actions per
+    device, the interpreter lock changing hands after `switch_s` (None: Python's own interval)."""
 
-    def device_job(d, box, took):
+    def __init__(self, model, batch, m: int, workers):
+        self.layers, self.workers = model.layers, workers
+        self.schedule = one_f_one_b([0, 1], m)
+        self.tokens, self.targets = (t.reshape(t.shape[0], m, -1).transpose(0, 1).unbind(0)
+                                     for t in (batch.inputs, batch.targets))
+        self.weights = [[p for n in names for p in self.layers[n].parameters()]
+                        for names in (("embed", "lstm0"), ("lstm1", "decode"))]
+
+    def _device_job(self, d, box, took):
+        layers, tokens, targets, weights = self.layers, self.tokens, self.targets, self.weights
+
         def receive(key):
             while key not in box:
                 time.sleep(POLL_NAP_S)
@@ -88,7 +92,7 @@ def floor_per_action(model, batch, m: int, repeats: int, workers, switch_s: floa
 
         def run():
             kept = {}
-            for a in schedule.actions[d]:
+            for a in self.schedule.actions[d]:
                 start = time.perf_counter()
                 if a.kind == "F" and d == 0:
                     kept[a.mb] = out = layers["lstm0"](layers["embed"](tokens[a.mb])[0])[0]
@@ -111,26 +115,40 @@ def floor_per_action(model, batch, m: int, repeats: int, workers, switch_s: floa
                     box["grad", a.mb] = x.grad
         return run
 
-    def step():
-        box, took = {}, {}
-        start = time.perf_counter()
-        for job in [w.submit(device_job(d, box, took)) for d, w in enumerate(workers)]:
-            job.result()
-        wall = time.perf_counter() - start
-        ideal = max(end for *_, end in run_order(schedule, cost=lambda d, a: took[d, a]))
-        return (wall - ideal) / len(schedule.actions[0])
+    def step(self, switch_s: float | None = None) -> float:
+        before = sys.getswitchinterval()
+        sys.setswitchinterval(switch_s or before)
+        try:
+            box, took = {}, {}
+            start = time.perf_counter()
+            for job in [w.submit(self._device_job(d, box, took)) for d, w in enumerate(self.workers)]:
+                job.result()
+            wall = time.perf_counter() - start
+        finally:
+            sys.setswitchinterval(before)
+        ideal = max(end for *_, end in run_order(self.schedule, cost=lambda d, a: took[d, a]))
+        return (wall - ideal) / len(self.schedule.actions[0])
 
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(switch_s or before)
-    try:
-        for _ in range(3):
-            step()
-        return statistics.median(step() for _ in range(repeats))
-    finally:
-        sys.setswitchinterval(before)
+
+def timed(pipe, batch, repeats: int, floor: Floor | None = None):
+    """Medians over `repeats` steps (after 3 to warm up) of `pipe`'s overhead per action and wall time, and its
+    actions; with a floor, each of the pipeline's steps is followed by one of the floor's and one at
+    STEP_SWITCH_S, and their medians come too (else None)."""
+    mpedu, walls, bare, quick = [], [], [], []
+    for k in range(3 + repeats):
+        per, wall, actions = step_overhead(pipe, batch)
+        if floor is not None:
+            bare.append(floor.step())
+            quick.append(floor.step(STEP_SWITCH_S))
+        if k >= 3:
+            mpedu.append(per)
+            walls.append(wall)
+    median = statistics.median
+    return median(mpedu), median(walls), actions, floor and median(bare[3:]), floor and median(quick[3:])
 
 
 RUNS = [("gpipe", 1), ("gpipe", 2), ("1f1b", 2), ("zb1", 2), ("gpipe", 4)]
+PAIRED = "1f1b, 2 device(s)"      # the run whose steps alternate with the floor's
 
 
 def main(argv=None):
@@ -146,17 +164,20 @@ def main(argv=None):
     per_round = {}                        # name -> [us per action in each round]
     info = {}                             # name -> (actions, step wall times, more devices than cores)
     floor_workers = pinned_workers(["vgpu:0", "vgpu:1"])
+    floor_steps = Floor(model, batch, m, floor_workers)
     floor, quick = [], []
     try:
         for r in range(args.rounds):
             for schedule, placement in (RUNS if r % 2 == 0 else RUNS[::-1]):
                 with Pipeline(model, placement, schedule, micro_batches=m) as pipe:
-                    per, wall, actions = overhead_per_action(pipe, batch, args.repeats)
                     name = f"{schedule}, {len(pipe.devices)} device(s)"
+                    paired = floor_steps if name == PAIRED else None
+                    per, wall, actions, bare, quick_bare = timed(pipe, batch, args.repeats, paired)
                     per_round.setdefault(name, []).append(per * 1e6)
                     info.setdefault(name, (actions, [], len(pipe.devices) > cores))[1].append(wall)
-            floor.append(floor_per_action(model, batch, m, args.repeats, floor_workers) * 1e6)
-            quick.append(floor_per_action(model, batch, m, args.repeats, floor_workers, STEP_SWITCH_S) * 1e6)
+                    if paired is not None:
+                        floor.append(bare * 1e6)
+                        quick.append(quick_bare * 1e6)
     finally:
         stop_workers(floor_workers)
     print(f"near-empty stages (width 1, T=1), m={m}; overhead = (step wall time - ideal replay) / actions per "
@@ -167,8 +188,8 @@ def main(argv=None):
         note = f"  (more devices than the {cores} cores)" if shared else ""
         rounds = ", ".join(f"{v:.1f}" for v in per_round[name])
         print(f"{name:<24}{actions:>9}{statistics.median(walls) * 1e3:>11.2f}{median[name]:>11.1f}  [{rounds}]{note}")
-    over = [mpedu - bare for mpedu, bare in zip(per_round["1f1b, 2 device(s)"], floor)]
-    over_quick = [mpedu - bare for mpedu, bare in zip(per_round["1f1b, 2 device(s)"], quick)]
+    over = [mpedu - bare for mpedu, bare in zip(per_round[PAIRED], floor)]
+    over_quick = [mpedu - bare for mpedu, bare in zip(per_round[PAIRED], quick)]
     print(f"{'floor (1f1b, bare)':<24}{4 * m:>9}{'':>11}{statistics.median(floor):>11.1f}  "
           f"[{', '.join(f'{v:.1f}' for v in floor)}]  two threads and nothing else; 1f1b over it: "
           f"{statistics.median(over):.1f} [{', '.join(f'{v:.1f}' for v in over)}]")
