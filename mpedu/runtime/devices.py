@@ -24,7 +24,8 @@ class Device:
 
     @property
     def is_cuda(self) -> bool:
-        return self.torch_device.type == "cuda"
+        # read from the name: a step asks it of every device, and making a torch.device costs a torch call
+        return not self.virtual and self.name.split(":")[0] == "cuda"
 
     def __str__(self) -> str:
         return self.name
