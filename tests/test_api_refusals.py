@@ -137,6 +137,21 @@ def test_a_mask_that_disagrees_with_the_targets_is_refused_by_every_runner():
             pipe.train_step(wrong)
 
 
+@pytest.mark.parametrize("placement", [TWO, "embed,lstm0-2,decode:vgpu0"], ids=["two devices", "one device"])
+def test_targets_the_last_stage_checks_are_refused_in_words_and_change_nothing(placement):
+    """A pipeline checks the inputs before any device runs and the targets on the last stage's device, while the
+    first stage computes: a bad target still ends the step with the check's words, before any backward."""
+    model, batch = tiny_model(), make_batch()
+    targets = batch.targets.clone()
+    targets[0, 1] = VOCAB + 3
+    with Pipeline(model, placement, "1f1b", micro_batches=2) as pipe:
+        with pytest.raises(ValueError, match=f"the batch holds token id {VOCAB + 3}, but the model's vocabulary "
+                                             f"has ids 0..{VOCAB - 1}"):
+            pipe.train_step(dataclasses.replace(batch, targets=targets))
+        assert all(p.grad is None for p in model.parameters())
+        assert pipe.train_step(batch).tokens == int(batch.mask.sum())
+
+
 def test_simulate_names_costs_of_another_model_or_none():
     model, other = tiny_model(), tiny_model(num_layers=2)
     costs = profile(other, make_batch(), micro_batches=2, warmup=0, repeats=1)
