@@ -61,13 +61,14 @@ SETTINGS = ("default", "tuned")
 PIPELINES = (("1f1b", 4, 1, 2), ("1f1b", 8, 1, 2), ("zb1", 4, 1, 2), ("zb1", 8, 1, 2), ("wavefront", 1, 7, 2),
              ("interleaved", 4, 1, 4))
 # Unequal micro-batches (sentences each, adding up to B): small first and last ones shorten the fill and the
-# drain. 8/16/24/16 is the simulated best of best_two_stage_schedules; 8/24/24/8 and 4/28/28/4 are of the shape
+# drain. 8/16/24/16 and 8/16/16/16/8 are simulated bests of best_two_stage_schedules (under glibc's defaults
+# and tuned malloc, one run); 8/24/24/8 and 4/28/28/4 are of the shape
 # the planner proposes (mpedu.predict.planner.split_shapes); interleaved 1F1B takes them too (the best equal
 # run under glibc's defaults was interleaved, m = 4). Each is timed apart from the equal runs: the
 # best of each kind runs in every round, so `best_unequal_vs_best_equal` pairs them round by round.
 UNEQUAL = (("1f1b", [8, 16, 24, 16], 1, 2), ("zb1", [8, 16, 24, 16], 1, 2), ("1f1b", [8, 24, 24, 8], 1, 2),
-           ("zb1", [8, 24, 24, 8], 1, 2), ("1f1b", [4, 28, 28, 4], 1, 2), ("interleaved", [8, 16, 24, 16], 1, 4),
-           ("interleaved", [8, 24, 24, 8], 1, 4))
+           ("zb1", [8, 24, 24, 8], 1, 2), ("1f1b", [4, 28, 28, 4], 1, 2), ("zb1", [8, 16, 16, 16, 8], 1, 2),
+           ("interleaved", [8, 16, 24, 16], 1, 4), ("interleaved", [8, 24, 24, 8], 1, 4))
 CURVE_WIDTHS = (4, 8, 16, 32, 64)     # where the prediction's cost curve is profiled (every width B divides)
 
 
@@ -84,17 +85,29 @@ def batch_tensors():
 def timed(step, steps: int, warmup: int = 3) -> dict:
     """Median seconds of `steps` steps after `warmup` (kept memory grows to its peak over the first two or three
     steps), and minor page faults per step (the whole process)."""
-    for _ in range(warmup):
-        step()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
-    step = statistics.median(times)
-    return {"tokens_per_s": T * B / step, "step_s": step, "faults_per_step": faults}
+    return timed_in_turn({"run": step}, steps, warmup)["run"]
+
+
+def timed_in_turn(runs: dict, steps: int, warmup: int = 3) -> dict:
+    """`timed` for several runs ({name: step}) at once: after each one's warm-up, one step of each in turn (the
+    order reversed every other time), so that the ratios between them see the same seconds of the machine, and
+    each one's page faults counted around its own steps. {name: timed's dict}."""
+    for step in runs.values():
+        for _ in range(warmup):
+            step()
+    names, times, faults = list(runs), {n: [] for n in runs}, dict.fromkeys(runs, 0)
+    for k in range(steps):
+        for name in (names if k % 2 == 0 else names[::-1]):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+            faults[name] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    out = {}
+    for name in names:
+        step = statistics.median(times[name])
+        out[name] = {"tokens_per_s": T * B / step, "step_s": step, "faults_per_step": faults[name] / steps}
+    return out
 
 
 def run_plain(steps: int, order: str) -> dict:
@@ -271,23 +284,38 @@ def run_predict(runs: dict) -> dict:
 
 
 def run_mpedu(steps: int, order: str, runs: dict) -> dict:
-    """mpedu on one virtual device, then each of `runs` (name: placement, schedule, m, chunks) on two."""
+    """mpedu on one virtual device, then each of `runs` (name: placement, schedule, m, chunks) on two: one after
+    the other (the picking round), or, two of them (a timed round: the best equal and the best unequal run),
+    step by step in turn, so that their ratio sees the same seconds of the machine."""
+    import contextlib
     from mpedu.runtime import allocator
     from mpedu.core import Pipeline
     model, batch = mpedu_model()
-    runs = {"mpedu1": (",".join(model.layer_names) + ":vgpu0", "gpipe", 1, 1), **runs}
     out = {"allocator": allocator.state()}
-    for name in (list(runs) if order == "forward" else list(runs)[::-1]):
-        placement, schedule, m, chunks = runs[name]
-        with Pipeline(model, placement, schedule, m, chunks) as pipe:
-            busy = []                     # per step, each device's compute in ms (the timeline's F, B, W)
 
-            def step():
-                model.zero_grad()
-                tl = pipe.train_step(batch).timeline
-                busy.append([tl.busy(d) * 1e3 for d in tl.devices])
-            out[name] = timed(step, steps)
-            out[name]["busy_ms"] = [statistics.median(b[d] for b in busy[-steps:]) for d in range(len(busy[0]))]
+    def stepper(pipe, busy):
+        def step():
+            model.zero_grad()
+            tl = pipe.train_step(batch).timeline
+            busy.append([tl.busy(d) * 1e3 for d in tl.devices])      # each device's compute in ms (F, B, W)
+        return step
+
+    def measure(names):
+        with contextlib.ExitStack() as stack:
+            busy = {n: [] for n in names}
+            pipes = {n: stack.enter_context(Pipeline(model, *runs[n])) for n in names}
+            got = timed_in_turn({n: stepper(pipes[n], busy[n]) for n in names}, steps)
+        for n in names:
+            out[n] = dict(got[n], busy_ms=[statistics.median(b[d] for b in busy[n][-steps:])
+                                           for d in range(len(busy[n][0]))])
+
+    runs = {"mpedu1": (",".join(model.layer_names) + ":vgpu0", "gpipe", 1, 1), **runs}
+    names = list(runs) if order == "forward" else list(runs)[::-1]
+    two = [n for n in names if n != "mpedu1"]
+    groups = [[n] for n in names] if len(two) > 2 else [["mpedu1"], two] if order == "forward" else [two, ["mpedu1"]]
+    for group in groups:
+        if group:
+            measure(group)
     out["allocator"] = allocator.state()          # after the workers started: names any it could not reach
     return out
 
