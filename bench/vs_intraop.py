@@ -245,6 +245,7 @@ def run_candidates(steps: int) -> dict:
     per_layer, out = {}, {}
     for schedule, split, chunks, stages in PIPELINES + UNEQUAL:
         m = split if isinstance(split, int) else len(split)     # unequal: balanced as m equal ones would be
+        m = max(d for d in range(1, m + 1) if B % d == 0)        # (or the nearest count below that divides B)
         if m not in per_layer:
             costs = profile(model, batch, "vgpu:0", micro_batches=m, repeats=3)
             per_layer[m] = [f + b for f, b in zip(costs.forward, costs.backward)]

@@ -70,16 +70,32 @@ def assert_same(got, expected, exact=False):
                 torch.testing.assert_close(g[name], ref[name], rtol=1e-5, atol=1e-7, msg=f"batch {k}: {name}")
 
 
+# The new schedules on 4 virtual devices (two workers a core here), a 6-LSTM model: the V-shapes and zero bubble
+# capped at 3 go down the devices and back ("v": Placement.v_shape), looped BFS round them twice, zero bubble
+# capped at 2 one stage a device
+LOOPED_FOUR = ("embed:vgpu0 | lstm0:vgpu1 | lstm1:vgpu2 | lstm2:vgpu3 | "
+               "lstm3:vgpu0 | lstm4:vgpu1 | lstm5:vgpu2 | decode:vgpu3")
+ONE_EACH_FOUR = "embed,lstm0:vgpu0 | lstm1-2:vgpu1 | lstm3-4:vgpu2 | lstm5,decode:vgpu3"
+FOUR_DEVICES = [("zbv", "v"), ("dualpipev", "v"), ("v_half", "v"), ("v_min", "v"), ("zb_cap3", "v"),
+                ("looped_bfs", LOOPED_FOUR), ("zb_cap2", ONE_EACH_FOUR)]
+
+
+def on_four(model, placement):
+    if placement != "v":
+        return placement
+    v = Placement.v_shape(model, 4)
+    assert v.stage_devices == [0, 1, 2, 3, 3, 2, 1, 0]
+    return v
+
+
 @pytest.mark.parametrize("dropout", [0.0, P], ids=["dropout0", "dropout"])
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "v_half", "v_min"])
-def test_the_v_shapes_on_four_devices_give_the_single_device_loss_and_gradients(schedule, dropout):
-    """A V of 8 stages on 4 virtual devices (two workers a core here), m = 8 (DualPipeV needs 2p), two batches."""
+@pytest.mark.parametrize("schedule,placement", FOUR_DEVICES, ids=[s for s, _ in FOUR_DEVICES])
+def test_the_new_schedules_on_four_devices_give_the_single_device_loss_and_gradients(schedule, placement, dropout):
+    """m = 8 (DualPipeV needs 2p), two batches."""
     batches = [make_batch(T=7, B=8, seed=1), make_batch(T=9, B=8, seed=2)]
     expected = one_device(tiny_model(num_layers=6, dropout=dropout), batches, seed=3)
     model = tiny_model(num_layers=6, dropout=dropout)
-    v = Placement.v_shape(model, 4)
-    assert v.stage_devices == [0, 1, 2, 3, 3, 2, 1, 0]
-    assert_same(pipelined(model, schedule, v, 8, 1, batches, seed=3), expected)
+    assert_same(pipelined(model, schedule, on_four(model, placement), 8, 1, batches, seed=3), expected)
 
 
 @pytest.mark.parametrize("schedule,placement,m,chunks", SCHEDULES, ids=IDS)

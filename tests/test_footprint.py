@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import make_batch, tiny_model
+from test_exact import FOUR_DEVICES, on_four
 from mpedu.core import Action, Pipeline, Placement, schedules
 from mpedu.predict import (cap_memory, memory_estimate, StageCost, balance_by_time, device_footprints, memory_report, param_sizes,
     peak_held, profile, simulate, stage_footprint, unit_bytes)
@@ -44,14 +45,14 @@ def test_the_model_agrees_with_what_a_step_holds(schedule, placement, m, chunks,
     assert sum(f.weights for f in predicted) == sum(weights) and sum(f.gradients for f in predicted) == sum(grads)
 
 
-@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "v_half", "v_min"])
-def test_the_model_agrees_with_what_a_step_holds_on_a_v_of_four_devices(schedule):
-    """The V-shapes on 4 virtual devices (8 stages, m = 8), dropout on: each device's predicted peak is what the
-    step's saved-tensor hooks counted, within 5%, as on two."""
+@pytest.mark.parametrize("schedule,placement", FOUR_DEVICES, ids=[s for s, _ in FOUR_DEVICES])
+def test_the_model_agrees_with_what_a_step_holds_on_four_devices(schedule, placement):
+    """The new schedules on 4 virtual devices (m = 8; test_exact.FOUR_DEVICES), dropout on: each device's
+    predicted peak is what the step's saved-tensor hooks counted, within 5%, as on two."""
     batch = make_batch(T=12, B=8)
     model = tiny_model(num_layers=6, dropout=0.3)
     costs = profile(model, batch, micro_batches=8, warmup=0, repeats=1)
-    with Pipeline(model, Placement.v_shape(model, 4), schedule, micro_batches=8) as pipe:
+    with Pipeline(model, on_four(model, placement), schedule, micro_batches=8) as pipe:
         timeline = pipe.train_step(batch).timeline
         predicted = device_footprints(costs, pipe.placement, pipe.schedule, None)
     assert len(predicted) == 4
