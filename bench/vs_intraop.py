@@ -38,7 +38,10 @@ mpedu's own 1F1B and zero-bubble schedules played with that work and nothing els
 a cut anywhere), the fastest for equal micro-batches and for unequal ones (small first and last
 micro-batches shorten the fill and the drain; mpedu itself cuts equal ones). `unequal`: the best unequal run
 against the best equal one, in the same rounds, and each against the simulator (`measured_vs_simulated`, per
-round: each round also profiles the layers and simulates both in a process of its own, beside the runs).
+round: each round also profiles the layers and simulates both in a process of its own, beside the runs), and
+`simulated_gain_at_layer_cuts`: in that process, what the simulator says the best of every split and layer cut
+could buy over the best equal plan (best_at_layer_cuts; the runs' gain is only as large as the equal run the
+picking round chose is slow).
 """
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ SETTINGS = ("default", "tuned")
 # (schedule, micro-batches, time chunks, stages): stages > 2 places them round-robin on the two devices.
 # 1F1B and zero bubble also run with the cut moved one layer either way: the profile's balance is a prediction,
 # and "mpedu's best" here means the best measured.
-PIPELINES = (("1f1b", 4, 1, 2), ("1f1b", 8, 1, 2), ("zb1", 4, 1, 2), ("zb1", 8, 1, 2), ("wavefront", 1, 7, 2),
+PIPELINES = (("1f1b", 4, 1, 2), ("1f1b", 8, 1, 2), ("zb1", 2, 1, 2), ("zb1", 4, 1, 2), ("zb1", 8, 1, 2),
+             ("wavefront", 1, 7, 2),
              ("interleaved", 4, 1, 4))
 # Unequal micro-batches (sentences each, adding up to B): small first and last ones shorten the fill and the
 # drain. 8/16/24/16 and 8/16/16/16/8 are simulated bests of best_two_stage_schedules (under glibc's defaults
@@ -267,10 +271,11 @@ def unequal(run) -> bool:
     return isinstance(run[2], list)
 
 
-def run_predict(runs: dict) -> dict:
+def run_predict(runs: dict, search: bool = False) -> dict:
     """Each of `runs` simulated by mpedu's simulator, as the planner predicts a step: costs from a cost curve
     profiled at CURVE_WIDTHS (read at each micro-batch's own width), the two workers slowing each other as
-    measure_cores measures now on the model's own shares. {name: seconds}, and the cores."""
+    measure_cores measures now on the model's own shares. {name: seconds}, and the cores; with `search`, also
+    "at_layer_cuts": the fastest equal and unequal plans of best_at_layer_cuts on that curve."""
     from mpedu.core import Pipeline
     from mpedu.predict import measure_cores, profile_curve, simulate
     model, batch = mpedu_model()
@@ -281,7 +286,42 @@ def run_predict(runs: dict) -> dict:
         sizes = [B // split] * split if isinstance(split, int) else split     # each micro-batch read at its width
         with Pipeline(model, placement, schedule, split, chunks) as pipe:
             out[name] = simulate(pipe, curve, micro_batches=sizes, cores=cores).makespan
+    if search:
+        out["at_layer_cuts"] = best_at_layer_cuts(model, batch, curve, cores)
     return out
+
+
+def best_at_layer_cuts(model, batch, curve, cores) -> dict:
+    """The simulator's fastest two-device 1F1B and zero-bubble plans, equal and unequal, where the real runs'
+    cuts fall: at a layer boundary (the profile's balance, moved up to two layers either way). Every split of B
+    into 2 to 6 micro-batches in steps of 4 sentences whose first and last are no wider than their neighbours
+    (small ends shorten the fill and the drain), and 8 equal ones. Unlike best_two_stage_schedules (a cut
+    anywhere, no overhead), this is the planner's own model of the real choices: what unequal micro-batches can
+    buy here over the best equal plan. {"equal"/"unequal": {"step_s", "schedule", "cut", "sizes"}, "gain"}."""
+    import itertools
+    from mpedu.core import Pipeline
+    from mpedu.predict import balance, profile, simulate, to_placement
+    splits = {2: [], 8: [[B // 8] * 8]}
+    for m in range(2, 7):
+        splits.setdefault(m, []).extend(
+            list(s) for s in itertools.product(range(4, B, 4), repeat=m)
+            if sum(s) == B and (m == 2 or (s[0] <= s[1] and s[-1] <= s[-2])))
+    costs = profile(model, batch, "vgpu:0", micro_batches=4, repeats=3)
+    counts = balance([f + b for f, b in zip(costs.forward, costs.backward)], 2, names=model.layer_names)
+    best = {}
+    for shift in range(-2, 3):
+        moved = [counts[0] + shift, counts[1] - shift]
+        if min(moved) < 1:
+            continue
+        placement = str(to_placement(model, moved, ["vgpu:0", "vgpu:1"]))
+        for schedule, group in itertools.product(("1f1b", "zb1"), splits.values()):
+            with Pipeline(model, placement, schedule, group[0]) as pipe:    # one pipeline per count m
+                for sizes in group:
+                    step = simulate(pipe, curve, micro_batches=sizes, cores=cores).makespan
+                    kind = "equal" if len(set(sizes)) == 1 else "unequal"
+                    if step < best.get(kind, {}).get("step_s", float("inf")):
+                        best[kind] = {"step_s": step, "schedule": schedule, "cut": shift, "sizes": sizes}
+    return {**best, "gain": best["equal"]["step_s"] / best["unequal"]["step_s"]}
 
 
 def run_mpedu(steps: int, order: str, runs: dict) -> dict:
@@ -384,7 +424,7 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
             if kind == "one-arena":     # mpedu's one device again, every thread in one malloc arena
                 row["mpedu1 one-arena"] = child("mpedu", setting, steps, allocator="one-arena")["mpedu1"]
             elif kind == "predict":     # the simulator's steps from a profile taken in this round, beside its runs
-                row["predicted"] = child("predict", setting, steps, runs=timed_runs)
+                row["predicted"] = child("search", setting, steps, runs=timed_runs)
             else:
                 row.update(child(kind, setting, steps, order=order, runs=timed_runs if kind == "mpedu" else None))
         measured.append(row)
@@ -414,7 +454,10 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
         "cores": guess("cores"), "simulated_step_s": {n: guess(n) for n in timed_runs},
         "measured_step_s": step_s,
         "measured_vs_simulated": {n: statistics.median(r[n]["step_s"] / r["predicted"][n] for r in measured)
-                                  for n in timed_runs}}
+                                  for n in timed_runs},
+        # what the simulator says any split and layer cut could buy over the best equal plan, in each round
+        "simulated_gain_at_layer_cuts": statistics.median(r["predicted"]["at_layer_cuts"]["gain"] for r in measured),
+        "simulated_best_at_layer_cuts": [r["predicted"]["at_layer_cuts"] for r in measured]}
     # The best pipeline's own work, spread perfectly over the two devices with no bubble and no wait: the most
     # a perfect schedule could make of it.
     ceiling = lambda r: T * B / (sum(r[best]["busy_ms"]) / 2e3) / r["plain2"]["tokens_per_s"]  # noqa: E731
@@ -454,6 +497,11 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
           f"{u['pipeline_vs_2core_limit']:.3f} against {out['pipeline_vs_2core_limit']:.3f}; measured / simulated "
           f"step: " + ", ".join(f"{n[7:]} {v:.3f}" for n, v in u["measured_vs_simulated"].items())
           + f" (cores {u['cores']:.2f})")
+    print("  the simulator's best at layer cuts (any split of 2-6 micro-batches in steps of 4, 1F1B or zero bubble): "
+          f"unequal {u['simulated_gain_at_layer_cuts']:.3f}x the best equal, per round " + "; ".join(
+              f"{c['gain']:.3f} ({c['unequal']['schedule']} {'/'.join(map(str, c['unequal']['sizes']))} cut "
+              f"{c['unequal']['cut']:+d} vs {c['equal']['schedule']} m={len(c['equal']['sizes'])} cut "
+              f"{c['equal']['cut']:+d})" for c in u["simulated_best_at_layer_cuts"]))
     grain = out["lstm_us_per_token_step"]
     whole = grain[f"T={T} b={B}, 1 thread"]
     print("  one LSTM layer (400), forward + backward, us per token and time step: " + "; ".join(
@@ -465,7 +513,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--child", choices=("plain", "mpedu", "candidates", "alloc", "grain", "bound", "predict"),
+    parser.add_argument("--child", choices=("plain", "mpedu", "candidates", "alloc", "grain", "bound", "predict",
+                                             "search"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--order", default="forward", help=argparse.SUPPRESS)
     parser.add_argument("--runs", default="{}", help=argparse.SUPPRESS)
@@ -474,7 +523,8 @@ def main(argv=None):
         parts = {"plain": lambda: run_plain(args.steps, args.order), "candidates": lambda: run_candidates(args.steps),
                  "grain": lambda: run_grain(args.steps), "bound": lambda: run_bound(args.steps),
                  "mpedu": lambda: run_mpedu(args.steps, args.order, json.loads(args.runs)),
-                 "alloc": lambda: run_alloc(args.steps), "predict": lambda: run_predict(json.loads(args.runs))}
+                 "alloc": lambda: run_alloc(args.steps), "predict": lambda: run_predict(json.loads(args.runs)),
+                 "search": lambda: run_predict(json.loads(args.runs), search=True)}
         print(json.dumps(parts[args.child]()))
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
