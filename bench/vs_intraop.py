@@ -62,8 +62,7 @@ SETTINGS = ("default", "tuned")
 # 1F1B and zero bubble also run with the cut moved one layer either way: the profile's balance is a prediction,
 # and "mpedu's best" here means the best measured.
 PIPELINES = (("1f1b", 4, 1, 2), ("1f1b", 8, 1, 2), ("zb1", 2, 1, 2), ("zb1", 4, 1, 2), ("zb1", 8, 1, 2),
-             ("wavefront", 1, 7, 2),
-             ("interleaved", 4, 1, 4))
+             ("wavefront", 1, 7, 2), ("interleaved", 4, 1, 4))
 # Unequal micro-batches (sentences each, adding up to B): small first and last ones shorten the fill and the
 # drain. 8/16/24/16 and 8/16/16/16/8 are simulated bests of best_two_stage_schedules (under glibc's defaults
 # and tuned malloc, one run); 8/24/24/8 and 4/28/28/4 are of the shape
