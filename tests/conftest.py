@@ -131,6 +131,17 @@ def batch():
 
 
 @pytest.fixture
+def python_handles_ctrl_c():
+    """Python's own SIGINT handler (KeyboardInterrupt), as in a terminal or Jupyter. A process started in the
+    background by a non-interactive shell (`nohup ./run.sh test &`, some CI runners) inherits SIGINT ignored,
+    and Python keeps it ignored: then no Ctrl-C reaches anything, and a Ctrl-C test would fail for that alone."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def drawn_masks(monkeypatch) -> list:
     """Every dropout mask drawn from now on, from any device's thread: (layer, position, mask), in draw order."""
     from mpedu.lm import dropout, keep_mask

@@ -295,6 +295,7 @@ def test_quick_switching_holds_until_the_last_of_several_steps_at_once_ends():
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="Ctrl-C reaches the main thread")
+@pytest.mark.usefixtures("python_handles_ctrl_c")
 def test_a_receive_parked_on_the_main_thread_runs_a_ctrl_c_that_another_thread_received():
     """The caller's thread may play a device; a Ctrl-C the kernel hands to another thread only flags the main
     thread, which a receive parked without end would never look at. Parked in slices, it does, within one."""
@@ -305,7 +306,9 @@ def test_a_receive_parked_on_the_main_thread_runs_a_ctrl_c_that_another_thread_r
     late = threading.Timer(5.0, lambda: mailbox.put(key, "sent"))    # without slices: the receive returns this
 
     def interrupt_from_here():
-        time.sleep(0.2)                                         # the receive is parked by then
+        parked_by = time.perf_counter() + 4.0                  # the state the test is about: the receive parked
+        while key not in mailbox._waiting and time.perf_counter() < parked_by:
+            time.sleep(0.001)
         signal.pthread_kill(threading.get_ident(), signal.SIGINT)
     poker = threading.Thread(target=interrupt_from_here)
     late.start()

@@ -177,16 +177,6 @@ def test_a_worker_that_fails_while_the_callers_device_waits_for_it_ends_the_step
     assert isinstance(outcome[0], Injected) and outcome[1] == pytest.approx(reference(model, batch)[0], rel=1e-6)
 
 
-@pytest.fixture
-def python_handles_ctrl_c():
-    """Python's own SIGINT handler (KeyboardInterrupt), as in a terminal or Jupyter. A process started in the
-    background by a non-interactive shell (`nohup ./run.sh test &`, some CI runners) inherits SIGINT ignored,
-    and Python keeps it ignored: then no Ctrl-C reaches anything, and these tests would fail for that alone."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
-
-
 @pytest.mark.usefixtures("python_handles_ctrl_c")
 def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
     model = tiny_model()
