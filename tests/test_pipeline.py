@@ -181,18 +181,26 @@ def test_a_worker_that_fails_while_the_callers_device_waits_for_it_ends_the_step
 def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
     model = tiny_model()
     ref_loss, _ = reference(model, batch)
-    original = Stage.forward
+    original, real_abort, aborted = Stage.forward, Mailbox.abort, threading.Event()
+
+    def abort(self):
+        aborted.set()
+        real_abort(self)
 
     def interrupting(self, mb, chunk, *args, **kwargs):
         if self.index == 1 and mb == 1:
             os.kill(os.getpid(), signal.SIGINT)   # what Jupyter's "interrupt kernel" sends
-            time.sleep(0.2)
+            aborted.wait(10)                      # until the step is stopped, however late the main thread runs
         return original(self, mb, chunk, *args, **kwargs)
 
+    monkeypatch.setattr(Mailbox, "abort", abort)
     with Pipeline(model, BALANCED, "gpipe", micro_batches=4) as pipe:
         monkeypatch.setattr(Stage, "forward", interrupting)
-        with pytest.raises(KeyboardInterrupt) as interrupted:
-            pipe.train_step(batch)
+        try:
+            with pytest.raises(KeyboardInterrupt) as interrupted:
+                pipe.train_step(batch)
+        finally:
+            aborted.set()                         # never leave the worker waiting, whatever happened
         monkeypatch.undo()
         # one line for the learner, no chain of worker frames behind it
         assert str(interrupted.value).startswith("the step was interrupted; the pipeline is ready for the next one")
