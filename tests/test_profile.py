@@ -71,6 +71,28 @@ def test_existing_gradients_survive_profiling():
     assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
 
 
+def test_profiling_never_unsets_the_models_gradients_even_for_a_moment(monkeypatch):
+    """The explorer profiles in the background while a learner's cell may train the same model. Profiling once
+    set every .grad to None while it copied the model and put them back after: a backward running then lost its
+    gradients or failed inside torch ("Bad in-place call ... dtype nullptr"). Each gradient seen as it is copied."""
+    import copy
+    model, batch = tiny_model(num_layers=1), make_batch()
+    grads = {name: torch.full_like(p, 3.0) for name, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        p.grad = grads[name]
+    real, intact = copy.deepcopy, []
+
+    def watching(x, memo=None, _nil=[]):
+        if x is model:          # the moment the copy is made
+            intact.append(all(p.grad is grads[name] for name, p in model.named_parameters()))
+        return real(x, memo, _nil)
+    monkeypatch.setattr(copy, "deepcopy", watching)
+    profile(model, batch, warmup=0, repeats=1)
+    monkeypatch.undo()
+    assert intact == [True]
+    assert all(p.grad is grads[name] for name, p in model.named_parameters())
+
+
 def test_stage_costs_add_up_layers_and_round_trip():
     names = ["embed", "lstm0", "lstm1", "decode"]
     costs = Costs(names, [1.0, 2.0, 3.0, 4.0], [2.0, 4.0, 6.0, 8.0], [0.0, 3.0, 5.0, 6.0], [2.0, 3.5, 5.5, 4.0],

@@ -249,15 +249,14 @@ def profile(model, batch, device="vgpu:0", micro_batches: int = 1, warmup: int =
 
 
 def _copy_without_grads(model):
-    """A deep copy of `model` (tied weights stay tied) whose parameters have no .grad yet."""
-    grads = {p: p.grad for p in model.parameters()}
-    try:
-        for p in grads:
-            p.grad = None
-        return copy.deepcopy(model)
-    finally:
-        for p, g in grads.items():
-            p.grad = g
+    """A deep copy of `model` (tied weights stay tied) whose parameters have no .grad yet. The model itself is
+    only read: another thread may be training it (the explorer profiles in the background while a learner's cell
+    trains), and unsetting its gradients even for a moment loses that thread's or breaks its backward."""
+    memo = {id(p.grad): None for p in model.parameters() if p.grad is not None}     # each gradient copied as None
+    twin = copy.deepcopy(model, memo)
+    for p in twin.parameters():
+        p.grad = None
+    return twin
 
 
 def _measure(layers, micro, dev, warmup, repeats):
