@@ -177,15 +177,23 @@ def test_a_worker_that_fails_while_the_callers_device_waits_for_it_ends_the_step
     assert isinstance(outcome[0], Injected) and outcome[1] == pytest.approx(reference(model, batch)[0], rel=1e-6)
 
 
-@pytest.mark.usefixtures("python_handles_ctrl_c")
-def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
-    model = tiny_model()
-    ref_loss, _ = reference(model, batch)
-    original, real_abort, aborted = Stage.forward, Mailbox.abort, threading.Event()
+@pytest.fixture
+def step_aborted(monkeypatch) -> threading.Event:
+    """Set when a step's mailbox is aborted: what a Ctrl-C test waits for, rather than sleeping."""
+    aborted, real_abort = threading.Event(), Mailbox.abort
 
     def abort(self):
         aborted.set()
         real_abort(self)
+    monkeypatch.setattr(Mailbox, "abort", abort)
+    return aborted
+
+
+@pytest.mark.usefixtures("python_handles_ctrl_c")
+def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch, step_aborted):
+    model = tiny_model()
+    ref_loss, _ = reference(model, batch)
+    original, aborted = Stage.forward, step_aborted
 
     def interrupting(self, mb, chunk, *args, **kwargs):
         if self.index == 1 and mb == 1:
@@ -193,7 +201,6 @@ def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
             aborted.wait(10)                      # until the step is stopped, however late the main thread runs
         return original(self, mb, chunk, *args, **kwargs)
 
-    monkeypatch.setattr(Mailbox, "abort", abort)
     with Pipeline(model, BALANCED, "gpipe", micro_batches=4) as pipe:
         monkeypatch.setattr(Stage, "forward", interrupting)
         try:
@@ -211,20 +218,13 @@ def test_ctrl_c_during_a_step_leaves_the_pipeline_usable(monkeypatch, batch):
 
 
 @pytest.mark.usefixtures("python_handles_ctrl_c")
-def test_ctrl_c_that_lands_in_a_worker_thread_interrupts_the_step(monkeypatch, batch):
+def test_ctrl_c_that_lands_in_a_worker_thread_interrupts_the_step(monkeypatch, batch, step_aborted):
     """The kernel hands a process-directed SIGINT to any thread that does not block it: here, a worker.
     Python runs the handler only on the main thread, which must notice it while the step still runs
     (before this fix it slept until the step ended, and the interrupt was lost or came late)."""
     model = tiny_model()
     ref_loss, _ = reference(model, batch)
-    original = Stage.forward
-    aborted = threading.Event()
-    real_abort = Mailbox.abort
-
-    def abort(self):
-        aborted.set()
-        real_abort(self)
-
+    original, aborted = Stage.forward, step_aborted
     seen = {}
 
     def interrupting(self, mb, chunk, *args, **kwargs):
@@ -233,7 +233,6 @@ def test_ctrl_c_that_lands_in_a_worker_thread_interrupts_the_step(monkeypatch, b
             seen["abort during the step"] = aborted.wait(10)            # the state asserted, waited for
         return original(self, mb, chunk, *args, **kwargs)
 
-    monkeypatch.setattr(Mailbox, "abort", abort)
     with Pipeline(model, BALANCED, "gpipe", micro_batches=4) as pipe:
         monkeypatch.setattr(Stage, "forward", interrupting)
         try:
