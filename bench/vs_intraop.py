@@ -41,7 +41,12 @@ against the best equal one, in the same rounds, and each against the simulator (
 round: each round also profiles the layers and simulates both in a process of its own, beside the runs), and
 `simulated_gain_at_layer_cuts`: in that process, what the simulator says the best of every split and layer cut
 could buy over the best equal plan (best_at_layer_cuts; the runs' gain is only as large as the equal run the
-picking round chose is slow).
+picking round chose is slow), and `simulated_gain_inside_a_layer`: the same with a cut inside a layer too, along
+its time steps and as if free (best_inside_a_layer: mpedu's stages hold whole layers, so an upper bound).
+
+    python bench/vs_intraop.py --search-only [--rounds 3]
+
+runs only those two searches, each in a fresh process per round under each malloc setting (~5 minutes a round).
 """
 from __future__ import annotations
 
@@ -274,7 +279,8 @@ def run_predict(runs: dict, search: bool = False) -> dict:
     """Each of `runs` simulated by mpedu's simulator, as the planner predicts a step: costs from a cost curve
     profiled at CURVE_WIDTHS (read at each micro-batch's own width), the two workers slowing each other as
     measure_cores measures now on the model's own shares. {name: seconds}, and the cores; with `search`, also
-    "at_layer_cuts": the fastest equal and unequal plans of best_at_layer_cuts on that curve."""
+    "at_layer_cuts" and "inside_a_layer": the fastest equal and unequal plans of best_at_layer_cuts and
+    best_inside_a_layer on that curve."""
     from mpedu.core import Pipeline
     from mpedu.predict import measure_cores, profile_curve, simulate
     model, batch = mpedu_model()
@@ -286,40 +292,104 @@ def run_predict(runs: dict, search: bool = False) -> dict:
         with Pipeline(model, placement, schedule, split, chunks) as pipe:
             out[name] = simulate(pipe, curve, micro_batches=sizes, cores=cores).makespan
     if search:
-        out["at_layer_cuts"] = best_at_layer_cuts(model, batch, curve, cores)
+        counts = balanced_counts(model, batch)
+        out["at_layer_cuts"] = best_at_layer_cuts(model, counts, curve, cores)
+        out["inside_a_layer"] = best_inside_a_layer(model, counts, curve, cores, out["at_layer_cuts"])
     return out
 
 
-def best_at_layer_cuts(model, batch, curve, cores) -> dict:
+def search_splits() -> list[list[int]]:
+    """The splits of B the searches try: every split into 2 to 6 micro-batches in steps of 4 sentences whose first
+    and last are no wider than their neighbours (small ends shorten the fill and the drain; 1,691 of them), the
+    equal ones among those counts, and 8 equal ones. Grouped by count, so that one pipeline serves each group."""
+    import itertools
+    groups = {8: [[B // 8] * 8]}
+    for m in range(2, 7):
+        groups[m] = [list(s) for s in itertools.product(range(4, B, 4), repeat=m)
+                     if sum(s) == B and (m == 2 or (s[0] <= s[1] and s[-1] <= s[-2]))]
+    return list(groups.values())
+
+
+def keep_fastest(best: dict, step_s: float, sizes: list, **plan) -> None:
+    """Keep in best["equal"] or best["unequal"] the faster of what it holds and this plan."""
+    kind = "equal" if len(set(sizes)) == 1 else "unequal"
+    if step_s < best.get(kind, {}).get("step_s", float("inf")):
+        best[kind] = {"step_s": step_s, **plan, "sizes": sizes}
+
+
+def balanced_counts(model, batch) -> list[int]:
+    """The two stages' layer counts the profile's balance gives (as run_candidates cuts them)."""
+    from mpedu.predict import balance, profile
+    costs = profile(model, batch, "vgpu:0", micro_batches=4, repeats=3)
+    return balance([f + b for f, b in zip(costs.forward, costs.backward)], 2, names=model.layer_names)
+
+
+def best_at_layer_cuts(model, counts, curve, cores) -> dict:
     """The simulator's fastest two-device 1F1B and zero-bubble plans, equal and unequal, where the real runs'
-    cuts fall: at a layer boundary (the profile's balance, moved up to two layers either way). Every split of B
-    into 2 to 6 micro-batches in steps of 4 sentences whose first and last are no wider than their neighbours
-    (small ends shorten the fill and the drain), and 8 equal ones. Unlike best_two_stage_schedules (a cut
-    anywhere, no overhead), this is the planner's own model of the real choices: what unequal micro-batches can
-    buy here over the best equal plan. {"equal"/"unequal": {"step_s", "schedule", "cut", "sizes"}, "gain"}."""
+    cuts fall: at a layer boundary (the balanced `counts`, moved up to two layers either way), for every split
+    of search_splits. Unlike best_two_stage_schedules (a cut anywhere, no overhead), this is the planner's own
+    model of the real choices: what unequal micro-batches can buy here over the best equal plan.
+    {"equal"/"unequal": {"step_s", "schedule", "cut", "sizes"}, "gain"}."""
     import itertools
     from mpedu.core import Pipeline
-    from mpedu.predict import balance, profile, simulate, to_placement
-    splits = {2: [], 8: [[B // 8] * 8]}
-    for m in range(2, 7):
-        splits.setdefault(m, []).extend(
-            list(s) for s in itertools.product(range(4, B, 4), repeat=m)
-            if sum(s) == B and (m == 2 or (s[0] <= s[1] and s[-1] <= s[-2])))
-    costs = profile(model, batch, "vgpu:0", micro_batches=4, repeats=3)
-    counts = balance([f + b for f, b in zip(costs.forward, costs.backward)], 2, names=model.layer_names)
+    from mpedu.predict import simulate, to_placement
     best = {}
     for shift in range(-2, 3):
         moved = [counts[0] + shift, counts[1] - shift]
         if min(moved) < 1:
             continue
         placement = str(to_placement(model, moved, ["vgpu:0", "vgpu:1"]))
-        for schedule, group in itertools.product(("1f1b", "zb1"), splits.values()):
+        for schedule, group in itertools.product(("1f1b", "zb1"), search_splits()):
             with Pipeline(model, placement, schedule, group[0]) as pipe:    # one pipeline per count m
                 for sizes in group:
                     step = simulate(pipe, curve, micro_batches=sizes, cores=cores).makespan
-                    kind = "equal" if len(set(sizes)) == 1 else "unequal"
-                    if step < best.get(kind, {}).get("step_s", float("inf")):
-                        best[kind] = {"step_s": step, "schedule": schedule, "cut": shift, "sizes": sizes}
+                    keep_fastest(best, step, sizes, schedule=schedule, cut=shift)
+    return {**best, "gain": best["equal"]["step_s"] / best["unequal"]["step_s"]}
+
+
+INSIDE_SHARES = (0.25, 0.5, 0.75)     # where best_inside_a_layer cuts a layer's time steps
+
+
+def split_layer(costs, k: int, share: float):
+    """`costs` (one micro-batch's Costs) with layer k cut in two along time, `share` of its steps in the first
+    part, each part paying its share of the layer's time and activations: a time cut as if it cost nothing.
+    An LSTM layer's call has a fixed part (oneDNN reorders its weights each call) that both parts would pay,
+    and its weights would live on both devices; neither is charged: an upper bound on such a cut."""
+    import dataclasses
+    n, parts = len(costs.names), {}
+    for field in dataclasses.fields(costs):
+        value = getattr(costs, field.name)
+        if field.name == "names":
+            value = value[:k] + [value[k] + "(a)", value[k] + "(b)"] + value[k + 1:]
+        elif isinstance(value, list) and len(value) == n:
+            first, second = ((value[k], value[k]) if field.name in ("output_bytes", "recurrent") else
+                             (value[k], 0) if field.name in ("param_bytes", "trainable_bytes") else
+                             (value[k] * share, value[k] * (1 - share)))
+            value = value[:k] + [type(value[k])(first), type(value[k])(second)] + value[k + 1:]
+        parts[field.name] = value
+    return type(costs)(**parts)
+
+
+def best_inside_a_layer(model, counts, curve, cores, at_layer_cuts: dict) -> dict:
+    """best_at_layer_cuts's search with the cut also inside a layer: the last layer of the balanced first stage
+    and the first of the second, each cut along time at INSIDE_SHARES of its steps (split_layer: free, an upper
+    bound). mpedu's stages hold whole layers, so no run can take these cuts; the question is whether unequal
+    micro-batches would gain more over the best equal plan with a finer cut. Both kinds start from their best
+    `at_layer_cuts` (best_at_layer_cuts's answer), so each is the best over the layer cuts and these.
+    {"equal"/"unequal": {"step_s", "schedule", "layer", "share", "sizes"} or a layer cut's, "gain"}."""
+    import itertools
+    from mpedu.core import Placement
+    from mpedu.predict import simulate
+    best, names = {kind: at_layer_cuts[kind] for kind in ("equal", "unequal")}, model.layer_names
+    for k, share in itertools.product((counts[0] - 1, counts[0]), INSIDE_SHARES):
+        first, second = names[:k] + [names[k] + "(a)"], [names[k] + "(b)"] + names[k + 1:]
+        placement = Placement(first + second, {**dict.fromkeys(first, "vgpu:0"), **dict.fromkeys(second, "vgpu:1")})
+        per_width = {}
+        for schedule, group in itertools.product(("1f1b", "zb1"), search_splits()):
+            for sizes in group:
+                costs = [per_width.setdefault(b, split_layer(curve.at(T, b), k, share)) for b in sizes]
+                step = simulate(schedule, costs, placement, micro_batches=sizes, cores=cores).makespan
+                keep_fastest(best, step, sizes, schedule=schedule, layer=names[k], share=share)
     return {**best, "gain": best["equal"]["step_s"] / best["unequal"]["step_s"]}
 
 
@@ -456,7 +526,10 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
                                   for n in timed_runs},
         # what the simulator says any split and layer cut could buy over the best equal plan, in each round
         "simulated_gain_at_layer_cuts": statistics.median(r["predicted"]["at_layer_cuts"]["gain"] for r in measured),
-        "simulated_best_at_layer_cuts": [r["predicted"]["at_layer_cuts"] for r in measured]}
+        "simulated_best_at_layer_cuts": [r["predicted"]["at_layer_cuts"] for r in measured],
+        # and with a cut inside a layer, which mpedu's stages cannot take (best_inside_a_layer: an upper bound)
+        "simulated_gain_inside_a_layer": statistics.median(r["predicted"]["inside_a_layer"]["gain"] for r in measured),
+        "simulated_best_inside_a_layer": [r["predicted"]["inside_a_layer"] for r in measured]}
     # The best pipeline's own work, spread perfectly over the two devices with no bubble and no wait: the most
     # a perfect schedule could make of it.
     ceiling = lambda r: T * B / (sum(r[best]["busy_ms"]) / 2e3) / r["plain2"]["tokens_per_s"]  # noqa: E731
@@ -496,11 +569,7 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
           f"{u['pipeline_vs_2core_limit']:.3f} against {out['pipeline_vs_2core_limit']:.3f}; measured / simulated "
           f"step: " + ", ".join(f"{n[7:]} {v:.3f}" for n, v in u["measured_vs_simulated"].items())
           + f" (cores {u['cores']:.2f})")
-    print("  the simulator's best at layer cuts (any split of 2-6 micro-batches in steps of 4, 1F1B or zero bubble): "
-          f"unequal {u['simulated_gain_at_layer_cuts']:.3f}x the best equal, per round " + "; ".join(
-              f"{c['gain']:.3f} ({c['unequal']['schedule']} {'/'.join(map(str, c['unequal']['sizes']))} cut "
-              f"{c['unequal']['cut']:+d} vs {c['equal']['schedule']} m={len(c['equal']['sizes'])} cut "
-              f"{c['equal']['cut']:+d})" for c in u["simulated_best_at_layer_cuts"]))
+    print_searches(u["simulated_best_at_layer_cuts"], u["simulated_best_inside_a_layer"])
     grain = out["lstm_us_per_token_step"]
     whole = grain[f"T={T} b={B}, 1 thread"]
     print("  one LSTM layer (400), forward + backward, us per token and time step: " + "; ".join(
@@ -508,10 +577,43 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
     return out
 
 
+def where(plan: dict) -> str:
+    """A searched plan in words: 'zb1 8/16/24/16 cut +1' or 'zb1 m=4 inside lstm7 at 0.5'."""
+    sizes = plan["sizes"]
+    shape = f"m={len(sizes)}" if len(set(sizes)) == 1 else "/".join(map(str, sizes))
+    cut = f"cut {plan['cut']:+d}" if "cut" in plan else f"inside {plan['layer']} at {plan['share']}"
+    return f"{plan['schedule']} {shape} {cut}"
+
+
+def print_searches(at_layer_cuts: list, inside_a_layer: list) -> None:
+    """The simulator's best unequal plan over the best equal one, per round, at layer cuts and inside a layer."""
+    for title, found in (("at layer cuts", at_layer_cuts), ("with a cut inside a layer too (free: an upper bound)",
+                                                             inside_a_layer)):
+        print(f"  the simulator's best {title}, any split of 2-6 micro-batches in steps of 4, 1F1B or zero bubble: "
+              f"unequal {statistics.median(c['gain'] for c in found):.3f}x the best equal; per round " + "; ".join(
+                  f"{c['gain']:.3f} ({where(c['unequal'])} vs {where(c['equal'])})" for c in found))
+
+
+def search_only(rounds: int) -> dict:
+    """Only the simulator's searches (a profile, the cores, every split at every cut), `rounds` fresh processes
+    under each malloc setting: minutes, not the half hour of the timed runs."""
+    out = {}
+    for setting in SETTINGS:
+        found = [child("search", setting, 1) for _ in range(rounds)]
+        cores = ", ".join(f"{f['cores']:.2f}" for f in found)
+        print(f"\n{setting} malloc (cores measured {cores})")
+        print_searches([f["at_layer_cuts"] for f in found], [f["inside_a_layer"] for f in found])
+        out[setting] = {key: {"gain": statistics.median(f[key]["gain"] for f in found), "rounds": [f[key] for f in found]}
+                        for key in ("at_layer_cuts", "inside_a_layer")}
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--search-only", action="store_true",
+                        help="only what the simulator says unequal micro-batches can buy, at layer cuts and inside one")
     parser.add_argument("--child", choices=("plain", "mpedu", "candidates", "alloc", "grain", "bound", "predict",
                                              "search"),
                         help=argparse.SUPPRESS)
@@ -531,6 +633,10 @@ def main(argv=None):
 
     result = {"benchmark": "vs_intraop", "machine": machine(), "model": "mxnet8 (dropout 0)", "T": T, "B": B,
               "rounds": args.rounds, "steps": args.steps, "load_average": list(os.getloadavg()[:2])}
+    if args.search_only:
+        result["simulated_unequal_vs_equal"] = search_only(args.rounds)
+        finish("vs_intraop_search", result)
+        return
     runs = child("candidates", "default", args.steps)
     result["candidates"] = runs
     for setting in SETTINGS:
