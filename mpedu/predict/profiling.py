@@ -252,9 +252,8 @@ def _copy_without_grads(model):
     """A deep copy of `model` (tied weights stay tied) whose parameters have no .grad yet. The model itself is
     only read: another thread may be training it (the explorer profiles in the background while a learner's cell
     trains), and unsetting its gradients even for a moment loses that thread's or breaks its backward."""
-    memo = {id(p.grad): None for p in model.parameters() if p.grad is not None}     # each gradient copied as None
-    twin = copy.deepcopy(model, memo)
-    for p in twin.parameters():
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():     # Parameter.__deepcopy__ leaves .grad behind; this holds under any version
         p.grad = None
     return twin
 
