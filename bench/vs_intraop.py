@@ -292,13 +292,13 @@ def run_predict(runs: dict, search: bool = False) -> dict:
         with Pipeline(model, placement, schedule, split, chunks) as pipe:
             out[name] = simulate(pipe, curve, micro_batches=sizes, cores=cores).makespan
     if search:
-        counts = balanced_counts(model, batch)
-        out["at_layer_cuts"] = best_at_layer_cuts(model, counts, curve, cores)
-        out["inside_a_layer"] = best_inside_a_layer(model, counts, curve, cores, out["at_layer_cuts"])
+        counts, splits = balanced_counts(model, curve), search_splits()
+        out["at_layer_cuts"] = best_at_layer_cuts(model, counts, splits, curve, cores)
+        out["inside_a_layer"] = best_inside_a_layer(model, counts, splits, curve, cores, out["at_layer_cuts"])
     return out
 
 
-def search_splits() -> list[list[int]]:
+def search_splits() -> list[list[list[int]]]:
     """The splits of B the searches try: every split into 2 to 6 micro-batches in steps of 4 sentences whose first
     and last are no wider than their neighbours (small ends shorten the fill and the drain; 1,691 of them), the
     equal ones among those counts, and 8 equal ones. Grouped by count, so that one pipeline serves each group."""
@@ -317,17 +317,18 @@ def keep_fastest(best: dict, step_s: float, sizes: list, **plan) -> None:
         best[kind] = {"step_s": step_s, **plan, "sizes": sizes}
 
 
-def balanced_counts(model, batch) -> list[int]:
-    """The two stages' layer counts the profile's balance gives (as run_candidates cuts them)."""
-    from mpedu.predict import balance, profile
-    costs = profile(model, batch, "vgpu:0", micro_batches=4, repeats=3)
+def balanced_counts(model, curve) -> list[int]:
+    """The two stages' layer counts the balance of the curve's profile at m = 4 gives (run_candidates cuts them
+    so from its own profile at m = 4)."""
+    from mpedu.predict import balance
+    costs = curve.at(T, B // 4)
     return balance([f + b for f, b in zip(costs.forward, costs.backward)], 2, names=model.layer_names)
 
 
-def best_at_layer_cuts(model, counts, curve, cores) -> dict:
+def best_at_layer_cuts(model, counts, splits, curve, cores) -> dict:
     """The simulator's fastest two-device 1F1B and zero-bubble plans, equal and unequal, where the real runs'
     cuts fall: at a layer boundary (the balanced `counts`, moved up to two layers either way), for every split
-    of search_splits. Unlike best_two_stage_schedules (a cut anywhere, no overhead), this is the planner's own
+    of `splits` (search_splits's groups). Unlike best_two_stage_schedules (a cut anywhere, no overhead), this is the planner's own
     model of the real choices: what unequal micro-batches can buy here over the best equal plan.
     {"equal"/"unequal": {"step_s", "schedule", "cut", "sizes"}, "gain"}."""
     import itertools
@@ -339,7 +340,7 @@ def best_at_layer_cuts(model, counts, curve, cores) -> dict:
         if min(moved) < 1:
             continue
         placement = str(to_placement(model, moved, ["vgpu:0", "vgpu:1"]))
-        for schedule, group in itertools.product(("1f1b", "zb1"), search_splits()):
+        for schedule, group in itertools.product(("1f1b", "zb1"), splits):
             with Pipeline(model, placement, schedule, group[0]) as pipe:    # one pipeline per count m
                 for sizes in group:
                     step = simulate(pipe, curve, micro_batches=sizes, cores=cores).makespan
@@ -370,7 +371,7 @@ def split_layer(costs, k: int, share: float):
     return type(costs)(**parts)
 
 
-def best_inside_a_layer(model, counts, curve, cores, at_layer_cuts: dict) -> dict:
+def best_inside_a_layer(model, counts, splits, curve, cores, at_layer_cuts: dict) -> dict:
     """best_at_layer_cuts's search with the cut also inside a layer: the last layer of the balanced first stage
     and the first of the second, each cut along time at INSIDE_SHARES of its steps (split_layer: free, an upper
     bound). mpedu's stages hold whole layers, so no run can take these cuts; the question is whether unequal
@@ -385,7 +386,7 @@ def best_inside_a_layer(model, counts, curve, cores, at_layer_cuts: dict) -> dic
         first, second = names[:k] + [names[k] + "(a)"], [names[k] + "(b)"] + names[k + 1:]
         placement = Placement(first + second, {**dict.fromkeys(first, "vgpu:0"), **dict.fromkeys(second, "vgpu:1")})
         per_width = {}
-        for schedule, group in itertools.product(("1f1b", "zb1"), search_splits()):
+        for schedule, group in itertools.product(("1f1b", "zb1"), splits):
             for sizes in group:
                 costs = [per_width.setdefault(b, split_layer(curve.at(T, b), k, share)) for b in sizes]
                 step = simulate(schedule, costs, placement, micro_batches=sizes, cores=cores).makespan
@@ -524,12 +525,8 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
         "measured_step_s": step_s,
         "measured_vs_simulated": {n: statistics.median(r[n]["step_s"] / r["predicted"][n] for r in measured)
                                   for n in timed_runs},
-        # what the simulator says any split and layer cut could buy over the best equal plan, in each round
-        "simulated_gain_at_layer_cuts": statistics.median(r["predicted"]["at_layer_cuts"]["gain"] for r in measured),
-        "simulated_best_at_layer_cuts": [r["predicted"]["at_layer_cuts"] for r in measured],
-        # and with a cut inside a layer, which mpedu's stages cannot take (best_inside_a_layer: an upper bound)
-        "simulated_gain_inside_a_layer": statistics.median(r["predicted"]["inside_a_layer"]["gain"] for r in measured),
-        "simulated_best_inside_a_layer": [r["predicted"]["inside_a_layer"] for r in measured]}
+        # what the simulator says any split could buy over the best equal plan, at layer cuts and inside a layer
+        **searched([r["predicted"] for r in measured])}
     # The best pipeline's own work, spread perfectly over the two devices with no bubble and no wait: the most
     # a perfect schedule could make of it.
     ceiling = lambda r: T * B / (sum(r[best]["busy_ms"]) / 2e3) / r["plain2"]["tokens_per_s"]  # noqa: E731
@@ -569,7 +566,7 @@ def compare(setting: str, runs: dict, rounds: int, steps: int) -> dict:
           f"{u['pipeline_vs_2core_limit']:.3f} against {out['pipeline_vs_2core_limit']:.3f}; measured / simulated "
           f"step: " + ", ".join(f"{n[7:]} {v:.3f}" for n, v in u["measured_vs_simulated"].items())
           + f" (cores {u['cores']:.2f})")
-    print_searches(u["simulated_best_at_layer_cuts"], u["simulated_best_inside_a_layer"])
+    print_searches(u)
     grain = out["lstm_us_per_token_step"]
     whole = grain[f"T={T} b={B}, 1 thread"]
     print("  one LSTM layer (400), forward + backward, us per token and time step: " + "; ".join(
@@ -585,13 +582,26 @@ def where(plan: dict) -> str:
     return f"{plan['schedule']} {shape} {cut}"
 
 
-def print_searches(at_layer_cuts: list, inside_a_layer: list) -> None:
-    """The simulator's best unequal plan over the best equal one, per round, at layer cuts and inside a layer."""
-    for title, found in (("at layer cuts", at_layer_cuts), ("with a cut inside a layer too (free: an upper bound)",
-                                                             inside_a_layer)):
+SEARCHES = {"at_layer_cuts": "at layer cuts", "inside_a_layer": "with a cut inside a layer too (free: an upper bound)"}
+
+
+def searched(found: list) -> dict:
+    """Several rounds' searches (run_predict's with `search`) in the JSON's words: for each kind of cut, the
+    median of the best unequal plan over the best equal one, and each round's two plans."""
+    out = {}
+    for kind in SEARCHES:
+        out[f"simulated_gain_{kind}"] = statistics.median(f[kind]["gain"] for f in found)
+        out[f"simulated_best_{kind}"] = [f[kind] for f in found]
+    return out
+
+
+def print_searches(summary: dict) -> None:
+    """`searched`'s summary in words: the best unequal plan over the best equal one, per round, per kind of cut."""
+    for kind, title in SEARCHES.items():
         print(f"  the simulator's best {title}, any split of 2-6 micro-batches in steps of 4, 1F1B or zero bubble: "
-              f"unequal {statistics.median(c['gain'] for c in found):.3f}x the best equal; per round " + "; ".join(
-                  f"{c['gain']:.3f} ({where(c['unequal'])} vs {where(c['equal'])})" for c in found))
+              f"unequal {summary[f'simulated_gain_{kind}']:.3f}x the best equal; per round " + "; ".join(
+                  f"{c['gain']:.3f} ({where(c['unequal'])} vs {where(c['equal'])})"
+                  for c in summary[f"simulated_best_{kind}"]))
 
 
 def search_only(rounds: int) -> dict:
@@ -602,9 +612,8 @@ def search_only(rounds: int) -> dict:
         found = [child("search", setting, 1) for _ in range(rounds)]
         cores = ", ".join(f"{f['cores']:.2f}" for f in found)
         print(f"\n{setting} malloc (cores measured {cores})")
-        print_searches([f["at_layer_cuts"] for f in found], [f["inside_a_layer"] for f in found])
-        out[setting] = {key: {"gain": statistics.median(f[key]["gain"] for f in found), "rounds": [f[key] for f in found]}
-                        for key in ("at_layer_cuts", "inside_a_layer")}
+        out[setting] = searched(found)
+        print_searches(out[setting])
     return out
 
 
